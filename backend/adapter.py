@@ -1,0 +1,531 @@
+"""Parse, validate and load one PEFT LoRA adapter directory against the base model.
+
+Registration (:func:`parse_adapter_spec`) reads only ``adapter_config.json``, the safetensors
+header and the file's sha256, so that thousands of adapters can be registered at startup.
+Loading (:func:`load_adapter_weights`) reads the tensors, checks that the bytes are the ones
+that were registered, and checks every shape and value.
+
+PEFT (0.21) saves keys like ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight``
+(``[r, in]``) and ``...lora_B.weight`` (``[out, r]``); MLP projections sit under ``.mlp.``. Keys
+with an adapter-name segment (``lora_A.default.weight``) are accepted too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from backend.errors import AdapterError
+from backend.model_config import ATTENTION_PROJECTIONS, MLP_PROJECTIONS, PROJECTIONS, ModelConfig
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+LEGACY_WEIGHTS_FILE = "adapter_model.bin"
+
+_HASH_CHUNK = 1 << 20
+# safetensors dtype names we accept for LoRA factors.
+_FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+_TORCH_DTYPE_NAMES = {v: k for k, v in _FLOAT_DTYPES.items()}
+
+# [base_model.model.][model.]layers.{i}.{self_attn|mlp}.{proj}.lora_{A|B}[.{adapter_name}].weight
+_KEY_RE = re.compile(
+    r"^(?:base_model\.model\.)?(?P<module_key>(?:model\.)?layers\.(?P<layer>[0-9]{1,9})\.(?P<block>self_attn|mlp)"
+    r"\.(?P<proj>[A-Za-z0-9_]+))\.(?P<ab>lora_A|lora_B)(?:\.(?P<adapter_name>[^.]+))?\.weight$"
+)
+# Used only to name the offending module in an error: the segment before ".lora_".
+_MODULE_OF_KEY_RE = re.compile(r"(?:^|\.)(?P<module>[^.]+)\.lora_")
+
+# Config fields that change what the adapter computes and that this server does not implement;
+# a config that sets one of them (to anything but null/false/empty) is refused.
+_UNSUPPORTED_FIELDS: tuple[str, ...] = (
+    "lora_bias",
+    "target_parameters",
+    "trainable_token_indices",
+    "layer_replication",
+    "alora_invocation_tokens",
+    "use_qalora",
+    "use_bdlora",
+)
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """What registration learned about one adapter (metadata only, no weights).
+
+    Attributes:
+        name: the name requests use to select the adapter.
+        path: the adapter directory.
+        sha256: hex digest of ``adapter_model.safetensors``.
+        rank: the largest rank over all adapted modules.
+        ranks: projection name -> largest rank of that projection over the layers.
+        target_modules: sorted projection names that have weights.
+        layers: sorted layer indices that have weights.
+        scaling: (layer, projection) -> lora_alpha / r (lora_alpha / sqrt(r) with rsLoRA).
+        layer_ranks: (layer, projection) -> rank of that module (rank_pattern can vary it).
+        base_model_name_or_path: as recorded in adapter_config.json, if any.
+        use_rslora: whether the scaling is rank-stabilised.
+        num_bytes: size of ``adapter_model.safetensors``.
+    """
+
+    name: str
+    path: str
+    sha256: str
+    rank: int
+    ranks: dict[str, int] = field(hash=False)
+    target_modules: tuple[str, ...]
+    layers: tuple[int, ...]
+    scaling: dict[tuple[int, str], float] = field(hash=False)
+    layer_ranks: dict[tuple[int, str], int] = field(hash=False)
+    base_model_name_or_path: str | None = None
+    use_rslora: bool = False
+    num_bytes: int = 0
+
+    @property
+    def weights_path(self) -> Path:
+        """Path of the adapter's safetensors file."""
+        return Path(self.path) / WEIGHTS_FILE
+
+
+def lora_num_parameters(spec: AdapterSpec, model_config: ModelConfig) -> int:
+    """Elements in all of the adapter's A and B matrices."""
+    total = 0
+    for (_, module), r in spec.layer_ranks.items():
+        n_in, n_out = model_config.projection_shape(module)
+        total += r * (n_in + n_out)
+    return total
+
+
+@dataclass
+class LoraWeights:
+    """An adapter's tensors: (layer, projection) -> (A [r, in], B [out, r], scaling)."""
+
+    spec: AdapterSpec
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]
+
+    def nbytes(self) -> int:
+        """Bytes held by the A and B tensors."""
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b, _ in self.weights.values())
+
+
+@dataclass(frozen=True)
+class _LoraConfig:
+    """The parts of adapter_config.json that decide the weights' meaning."""
+
+    r: int
+    lora_alpha: float
+    use_rslora: bool
+    rank_pattern: tuple[tuple[str, int], ...]
+    alpha_pattern: tuple[tuple[str, float], ...]
+    layers_to_transform: tuple[int, ...] | None
+    base_model_name_or_path: str | None
+
+
+@dataclass(frozen=True)
+class _ModuleEntry:
+    """The A/B tensor keys of one adapted module in the safetensors file."""
+
+    module_key: str
+    a_key: str
+    b_key: str
+    rank: int
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# public helpers
+
+
+def compute_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def parse_adapter_spec(name: str, path: str | Path, model_config: ModelConfig, max_lora_rank: int) -> AdapterSpec:
+    """Validate an adapter directory against the base model from its config and safetensors header.
+
+    Reads ``adapter_config.json``, the safetensors header (no tensor data) and hashes the file.
+    Raises :class:`AdapterError` naming the adapter and the reason when it cannot be served.
+    """
+    adapter_dir = Path(path)
+    if not adapter_dir.exists():
+        raise AdapterError(name, f"directory {adapter_dir} does not exist")
+    if not adapter_dir.is_dir():
+        raise AdapterError(name, f"{adapter_dir} is not a directory (expected a PEFT adapter directory)")
+    cfg = _read_config(name, adapter_dir)
+    weights_path = adapter_dir / WEIGHTS_FILE
+    if not weights_path.is_file():
+        if (adapter_dir / LEGACY_WEIGHTS_FILE).exists():
+            raise AdapterError(
+                name,
+                f"{adapter_dir} has only {LEGACY_WEIGHTS_FILE}; only safetensors adapters are supported "
+                f"(pickle files can run code): re-save it with save_pretrained(..., safe_serialization=True)",
+            )
+        raise AdapterError(name, f"{weights_path} not found")
+    try:
+        sha256 = compute_sha256(weights_path)
+        num_bytes = weights_path.stat().st_size
+    except OSError as e:
+        raise AdapterError(name, f"cannot read {weights_path}: {e}") from e
+    header = _read_safetensors_header(name, weights_path)
+    entries = _layout(name, header, model_config, max_lora_rank)
+    return _build_spec(name, adapter_dir, sha256, num_bytes, cfg, entries, model_config)
+
+
+def load_adapter_weights(
+    spec: AdapterSpec,
+    model_config: ModelConfig,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> LoraWeights:
+    """Load an adapter's A/B tensors, checking bytes, shapes, ranks and values against ``spec``.
+
+    Raises :class:`AdapterError` when the file changed since registration (sha256 mismatch), a
+    tensor's shape or rank disagrees with the base model or the spec, or a value is NaN/Inf.
+    """
+    from safetensors.torch import load as load_safetensors_bytes
+
+    name = spec.name
+    weights_path = spec.weights_path
+    try:
+        data = weights_path.read_bytes()
+    except OSError as e:
+        raise AdapterError(name, f"cannot read {weights_path}: {e}") from e
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != spec.sha256:
+        raise AdapterError(
+            name,
+            f"{weights_path} changed since registration: sha256 {digest} != registered {spec.sha256}; "
+            f"re-register the adapter",
+        )
+    try:
+        tensors = load_safetensors_bytes(data)
+    except Exception as e:  # the library raises several types for malformed files
+        raise AdapterError(name, f"{weights_path} is not a valid safetensors file: {e}") from e
+    del data
+    header: dict[str, tuple[tuple[int, ...], str]] = {}
+    for key, t in tensors.items():
+        dt = _TORCH_DTYPE_NAMES.get(t.dtype)
+        header[key] = (tuple(t.shape), dt if dt is not None else str(t.dtype))
+    entries = _layout(name, header, model_config, max_lora_rank=max(spec.rank, 1))
+    loaded_modules = set(entries)
+    if loaded_modules != set(spec.layer_ranks):
+        raise AdapterError(
+            name, f"{weights_path} holds modules {sorted(loaded_modules)}, registered {sorted(spec.layer_ranks)}"
+        )
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]] = {}
+    for lm, entry in sorted(entries.items()):
+        if entry.rank != spec.layer_ranks[lm]:
+            raise AdapterError(
+                name, f"tensor '{entry.a_key}' has rank {entry.rank}, registered rank {spec.layer_ranks[lm]}"
+            )
+        a = _checked_tensor(name, entry.a_key, tensors[entry.a_key], dtype)
+        b = _checked_tensor(name, entry.b_key, tensors[entry.b_key], dtype)
+        weights[lm] = (a.to(device).contiguous(), b.to(device).contiguous(), spec.scaling[lm])
+    return LoraWeights(spec=spec, weights=weights)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# adapter_config.json
+
+
+def _read_config(name: str, adapter_dir: Path) -> _LoraConfig:
+    """Read and check adapter_config.json; refuse features this server does not implement."""
+    cfg_path = adapter_dir / CONFIG_FILE
+    try:
+        raw = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise AdapterError(name, f"{cfg_path} not found; a PEFT adapter directory needs {CONFIG_FILE}") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AdapterError(name, f"{cfg_path} is not valid JSON ({e})") from e
+    except OSError as e:
+        raise AdapterError(name, f"cannot read {cfg_path}: {e}") from e
+    if not isinstance(raw, dict):
+        raise AdapterError(name, f"{cfg_path} must hold a JSON object, got {type(raw).__name__}")
+
+    peft_type = raw.get("peft_type")
+    if peft_type != "LORA":
+        raise AdapterError(name, f"peft_type is {peft_type!r}; only 'LORA' adapters are supported")
+    if raw.get("use_dora"):
+        raise AdapterError(name, "use_dora is true: DoRA is not supported")
+    if raw.get("modules_to_save"):
+        raise AdapterError(
+            name,
+            f"modules_to_save {raw['modules_to_save']!r} is not supported: the adapter replaces whole base "
+            f"modules, which cannot be shared between adapters",
+        )
+    bias = raw.get("bias", "none")
+    if bias != "none":
+        raise AdapterError(name, f"bias is {bias!r}; only 'none' is supported (the adapter would change base biases)")
+    if raw.get("fan_in_fan_out"):
+        raise AdapterError(name, "fan_in_fan_out is true (Conv1D/GPT-2 layout); only nn.Linear layout is supported")
+    for key in _UNSUPPORTED_FIELDS:
+        if raw.get(key):
+            raise AdapterError(name, f"{key}={raw[key]!r} is not supported")
+
+    _check_target_modules(name, raw.get("target_modules"))
+
+    r = raw.get("r", 8)
+    if not _is_int(r) or r < 1:
+        raise AdapterError(name, f"r must be a positive integer, got {r!r}")
+    alpha = raw.get("lora_alpha", 8)
+    if not _is_number(alpha):
+        raise AdapterError(name, f"lora_alpha must be a number, got {alpha!r}")
+    use_rslora = raw.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):
+        raise AdapterError(name, f"use_rslora must be true or false, got {use_rslora!r}")
+
+    rank_pattern = _read_pattern(name, "rank_pattern", raw.get("rank_pattern"), integer=True)
+    alpha_pattern = _read_pattern(name, "alpha_pattern", raw.get("alpha_pattern"), integer=False)
+
+    ltt = raw.get("layers_to_transform")
+    layers_to_transform: tuple[int, ...] | None
+    if ltt is None or ltt == []:
+        layers_to_transform = None
+    elif _is_int(ltt):
+        layers_to_transform = (int(ltt),)
+    elif isinstance(ltt, list) and all(_is_int(x) and x >= 0 for x in ltt):
+        layers_to_transform = tuple(sorted(set(ltt)))
+    else:
+        raise AdapterError(name, f"layers_to_transform must be an int or a list of ints, got {ltt!r}")
+
+    base = raw.get("base_model_name_or_path")
+    return _LoraConfig(
+        r=int(r),
+        lora_alpha=float(alpha),
+        use_rslora=use_rslora,
+        rank_pattern=tuple((k, int(v)) for k, v in rank_pattern),
+        alpha_pattern=tuple((k, float(v)) for k, v in alpha_pattern),
+        layers_to_transform=layers_to_transform,
+        base_model_name_or_path=base if isinstance(base, str) else None,
+    )
+
+
+def _check_target_modules(name: str, targets: object) -> None:
+    """Refuse targets outside the 7 decoder projections; a regex string is left to the weight check."""
+    if targets is None or isinstance(targets, str):
+        return  # "all-linear" or a regex: the weights present decide (checked in _layout)
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise AdapterError(name, f"target_modules must be a list of names or a string, got {targets!r}")
+    for t in targets:
+        leaf = t.rsplit(".", 1)[-1]
+        if leaf not in PROJECTIONS:
+            raise AdapterError(
+                name, f"target module '{t}' is not supported; LoRA may target only {', '.join(PROJECTIONS)}"
+            )
+
+
+def _read_pattern(name: str, field_name: str, value: object, *, integer: bool) -> list[tuple[str, float]]:
+    """Read a rank_pattern/alpha_pattern dict, keeping its order (PEFT takes the first matching key)."""
+    if value is None:
+        return []
+    if not isinstance(value, dict):
+        raise AdapterError(name, f"{field_name} must be an object, got {type(value).__name__}")
+    out: list[tuple[str, float]] = []
+    for key, v in value.items():
+        ok = (_is_int(v) and v >= 1) if integer else _is_number(v)
+        if not ok:
+            kind = "a positive integer" if integer else "a number"
+            raise AdapterError(name, f"{field_name}[{key!r}] must be {kind}, got {v!r}")
+        try:
+            re.compile(rf"(.*\.)?({key})$")
+        except re.error as e:
+            raise AdapterError(
+                name, f"{field_name} key {key!r} cannot be interpreted as a PEFT module pattern ({e})"
+            ) from e
+        out.append((key, v))
+    return out
+
+
+def _pattern_value(patterns: tuple[tuple[str, Any], ...], module_key: str, default: Any) -> Any:
+    """PEFT's get_pattern_key: the first key K with re.match(rf"(.*\\.)?(K)$", module_key) wins."""
+    for key, value in patterns:
+        if re.match(rf"(.*\.)?({key})$", module_key):
+            return value
+    return default
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return (isinstance(v, int | float) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# safetensors header and layout
+
+
+def _read_safetensors_header(name: str, weights_path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """key -> (shape, safetensors dtype name), read with safe_open (header only, tensor data untouched)."""
+    from safetensors import safe_open
+
+    header: dict[str, tuple[tuple[int, ...], str]] = {}
+    try:
+        with safe_open(str(weights_path), framework="pt") as f:
+            keys = f.keys()
+            for key in keys:
+                sl = f.get_slice(key)
+                header[key] = (tuple(int(d) for d in sl.get_shape()), str(sl.get_dtype()))
+    except Exception as e:  # SafetensorError, OSError, and others for malformed headers
+        raise AdapterError(name, f"{weights_path} is not a valid safetensors file: {e}") from e
+    return header
+
+
+def _layout(
+    name: str,
+    header: Mapping[str, tuple[tuple[int, ...], str]],
+    model_config: ModelConfig,
+    max_lora_rank: int,
+) -> dict[tuple[int, str], _ModuleEntry]:
+    """Match A/B pairs to (layer, projection) and check dtypes, shapes and ranks against the base."""
+    halves: dict[tuple[int, str], dict[str, str]] = {}
+    module_keys: dict[tuple[int, str], str] = {}
+    for key in sorted(header):
+        m = _KEY_RE.match(key)
+        if m is None:
+            mod = _MODULE_OF_KEY_RE.search(key)
+            what = f"module '{mod.group('module')}'" if mod else "it"
+            raise AdapterError(
+                name,
+                f"tensor '{key}' is not a LoRA weight of a decoder projection ({what} is not supported; "
+                f"LoRA may target only {', '.join(PROJECTIONS)})",
+            )
+        proj, block = m.group("proj"), m.group("block")
+        expected_block = "self_attn" if proj in ATTENTION_PROJECTIONS else "mlp" if proj in MLP_PROJECTIONS else None
+        if expected_block is None:
+            raise AdapterError(
+                name, f"tensor '{key}': module '{proj}' is not supported; LoRA may target only {', '.join(PROJECTIONS)}"
+            )
+        if block != expected_block:
+            raise AdapterError(name, f"tensor '{key}': {proj} belongs under '.{expected_block}.', not '.{block}.'")
+        layer = int(m.group("layer"))
+        if layer >= model_config.num_layers:
+            raise AdapterError(
+                name, f"tensor '{key}': layer index {layer} >= the base model's num_layers {model_config.num_layers}"
+            )
+        shape, dtype = header[key]
+        if dtype not in _FLOAT_DTYPES:
+            raise AdapterError(name, f"tensor '{key}' has dtype {dtype}; supported: {', '.join(_FLOAT_DTYPES)}")
+        if len(shape) != 2:
+            raise AdapterError(name, f"tensor '{key}' has shape {list(shape)}; expected a 2-D matrix")
+        lm = (layer, proj)
+        ab = m.group("ab")
+        slot = halves.setdefault(lm, {})
+        if ab in slot:
+            raise AdapterError(name, f"tensors '{slot[ab]}' and '{key}' are both {ab} of layer {layer} {proj}")
+        slot[ab] = key
+        module_keys[lm] = m.group("module_key")
+    if not halves:
+        raise AdapterError(name, "no LoRA weights (no '...lora_A.weight'/'...lora_B.weight' tensors) in the file")
+
+    entries: dict[tuple[int, str], _ModuleEntry] = {}
+    for lm, slot in sorted(halves.items()):
+        layer, proj = lm
+        if "lora_A" not in slot or "lora_B" not in slot:
+            have, missing = ("lora_A", "lora_B") if "lora_A" in slot else ("lora_B", "lora_A")
+            raise AdapterError(name, f"tensor '{slot[have]}' has no matching {missing} (layer {layer} {proj})")
+        a_key, b_key = slot["lora_A"], slot["lora_B"]
+        (a_rows, a_cols), (b_rows, b_cols) = header[a_key][0], header[b_key][0]
+        n_in, n_out = model_config.projection_shape(proj)
+        rank = a_rows
+        if rank < 1:
+            raise AdapterError(name, f"tensor '{a_key}' has rank 0 (shape {[a_rows, a_cols]})")
+        if a_cols != n_in:
+            raise AdapterError(
+                name,
+                f"tensor '{a_key}' has shape {[a_rows, a_cols]}, expected [r, {n_in}] for the base model's {proj} "
+                f"(in_features {n_in}); is the adapter for another base model?",
+            )
+        if b_rows != n_out or b_cols != rank:
+            raise AdapterError(
+                name,
+                f"tensor '{b_key}' has shape {[b_rows, b_cols]}, expected {[n_out, rank]} for the base model's {proj} "
+                f"(out_features {n_out}, rank {rank} from lora_A); is the adapter for another base model?",
+            )
+        if rank > max_lora_rank:
+            raise AdapterError(name, f"rank {rank} exceeds max_lora_rank {max_lora_rank} (tensor '{a_key}')")
+        entries[lm] = _ModuleEntry(module_key=module_keys[lm], a_key=a_key, b_key=b_key, rank=rank)
+    return entries
+
+
+def _build_spec(
+    name: str,
+    adapter_dir: Path,
+    sha256: str,
+    num_bytes: int,
+    cfg: _LoraConfig,
+    entries: dict[tuple[int, str], _ModuleEntry],
+    model_config: ModelConfig,
+) -> AdapterSpec:
+    """Combine config and layout: check declared ranks and layers, compute the scaling per module."""
+    layers = tuple(sorted({layer for layer, _ in entries}))
+    if cfg.layers_to_transform is not None:
+        too_deep = [i for i in cfg.layers_to_transform if i >= model_config.num_layers]
+        if too_deep:
+            raise AdapterError(
+                name,
+                f"layers_to_transform lists layers {too_deep} >= the base model's num_layers {model_config.num_layers}",
+            )
+        extra = sorted(set(layers) - set(cfg.layers_to_transform))
+        missing = sorted(set(cfg.layers_to_transform) - set(layers))
+        if extra or missing:
+            raise AdapterError(
+                name,
+                f"weights do not match layers_to_transform {list(cfg.layers_to_transform)}: weights in layers "
+                f"{list(layers)}"
+                + (f"; unlisted {extra}" if extra else "")
+                + (f"; no weights for {missing}" if missing else ""),
+            )
+    layer_ranks: dict[tuple[int, str], int] = {}
+    scaling: dict[tuple[int, str], float] = {}
+    ranks: dict[str, int] = {}
+    for lm, entry in entries.items():
+        declared = _pattern_value(cfg.rank_pattern, entry.module_key, cfg.r)
+        if declared != entry.rank:
+            raise AdapterError(
+                name,
+                f"tensor '{entry.a_key}' has rank {entry.rank} but adapter_config.json declares r={declared} for "
+                f"'{entry.module_key}' (r={cfg.r}, rank_pattern {dict(cfg.rank_pattern)}); cannot interpret the "
+                f"rank_pattern, refusing rather than guessing the scaling",
+            )
+        alpha = _pattern_value(cfg.alpha_pattern, entry.module_key, cfg.lora_alpha)
+        scaling[lm] = alpha / math.sqrt(entry.rank) if cfg.use_rslora else alpha / entry.rank
+        layer_ranks[lm] = entry.rank
+        ranks[lm[1]] = max(ranks.get(lm[1], 0), entry.rank)
+    return AdapterSpec(
+        name=name,
+        path=str(adapter_dir),
+        sha256=sha256,
+        rank=max(ranks.values()),
+        ranks=dict(sorted(ranks.items(), key=lambda kv: PROJECTIONS.index(kv[0]))),
+        target_modules=tuple(sorted(ranks)),
+        layers=layers,
+        scaling=dict(sorted(scaling.items())),
+        layer_ranks=dict(sorted(layer_ranks.items())),
+        base_model_name_or_path=cfg.base_model_name_or_path,
+        use_rslora=cfg.use_rslora,
+        num_bytes=num_bytes,
+    )
+
+
+def _checked_tensor(name: str, key: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Convert to ``dtype`` and refuse NaN/Inf (in the file, or from overflow in the conversion)."""
+    if not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise AdapterError(name, f"tensor '{key}' has {bad} non-finite (NaN/Inf) values")
+    out = t.to(dtype)
+    if not bool(torch.isfinite(out).all()):
+        raise AdapterError(name, f"tensor '{key}' overflows {dtype} (values up to {float(t.abs().max()):.3g})")
+    return out

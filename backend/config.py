@@ -1,0 +1,76 @@
+"""Engine configuration: one typed dataclass, filled from config.pbtxt parameters or code."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to start; defaults suit the embedded CPU model.
+
+    Attributes:
+        model_dir: Hugging Face checkpoint directory (config.json, *.safetensors,
+            tokenizer.json).
+        adapters: adapter name -> PEFT adapter directory (the catalogue).
+        device: "cpu", "cuda" or "cuda:N".
+        dtype: "auto" (float32 on CPU, bfloat16 on CUDA), "float32", "bfloat16", "float16".
+        max_lora_rank: adapters of a larger rank are refused at registration.
+        max_loras: distinct adapters in one batch at most.
+        max_cpu_loras: adapters kept in the host-memory cache (None: unbounded).
+        max_num_seqs: requests running at once.
+        max_num_batched_tokens: tokens in one forward step (prefill chunks included).
+        max_model_len: context length (prompt + output); None: the checkpoint's.
+        page_size: tokens per KV-cache page.
+        num_kv_pages: pages in the pool; None: sized from free memory.
+        gpu_memory_fraction: share of free device memory the pool may take.
+        max_queue_size: waiting requests beyond which new ones are refused (0: no limit).
+    """
+
+    model_dir: str
+    adapters: dict[str, str] = field(default_factory=dict)
+    device: str = "cpu"
+    dtype: str = "auto"
+    max_lora_rank: int = 64
+    max_loras: int = 32
+    max_cpu_loras: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None
+    page_size: int = 16
+    num_kv_pages: int | None = None
+    gpu_memory_fraction: float = 0.85
+    max_queue_size: int = 0
+
+    def __post_init__(self) -> None:
+        positive = ("max_lora_rank", "max_loras", "max_num_seqs", "max_num_batched_tokens", "page_size")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"EngineConfig.{name} must be > 0, got {getattr(self, name)}")
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ValueError(f"EngineConfig.gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+
+    @classmethod
+    def from_strings(cls, values: dict[str, str], **overrides: object) -> EngineConfig:
+        """Build from string values (config.pbtxt parameters); unknown keys are an error."""
+        known = {f.name: f for f in fields(cls)}
+        kwargs: dict[str, object] = {}
+        for key, raw in values.items():
+            if key not in known:
+                raise ValueError(f"unknown engine parameter '{key}'; known: {sorted(known)}")
+            kwargs[key] = _parse(known[key].type, raw)
+        kwargs.update(overrides)
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+
+def _parse(type_name: object, raw: str) -> object:
+    text = str(type_name)
+    if raw.strip().lower() in ("", "none", "null") and "None" in text:
+        return None
+    if text.startswith("int"):
+        return int(raw)
+    if text.startswith("float"):
+        return float(raw)
+    if text.startswith("dict"):
+        raise ValueError("adapters are given as a catalogue file, not a parameter")
+    return raw

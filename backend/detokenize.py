@@ -1,0 +1,71 @@
+"""Token ids -> text, correct across streamed chunks.
+
+The engine releases tokens in chunks whose boundaries never split a UTF-8 character;
+each chunk carries the few tokens before it (``context_ids``) so tokenizers whose
+decoding depends on the neighbour (a leading-space marker, say) still give the
+same text as decoding everything at once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+REPLACEMENT_CHAR = "\ufffd"
+CONTEXT_TOKENS = 4
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    """The checkpoint's tokenizer.json, as the `tokenizers` library reads it."""
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found; the base model directory needs a tokenizer.json")
+    return Tokenizer.from_file(str(path))
+
+
+def decode_chunk(tokenizer: Tokenizer, token_ids: list[int], context_ids: list[int], strip_chars: int = 0) -> str:
+    """Text that ``token_ids`` add after ``context_ids``, less ``strip_chars`` at the end."""
+    if not token_ids:
+        return ""
+    prefix = tokenizer.decode(list(context_ids), skip_special_tokens=True) if context_ids else ""
+    full = tokenizer.decode(list(context_ids) + list(token_ids), skip_special_tokens=True)
+    text = full[len(prefix):]
+    if strip_chars > 0:
+        text = text[: max(0, len(text) - strip_chars)]
+    return text
+
+
+class IncrementalDecoder:
+    """Follows one request's output; says how many tokens may be released as clean text.
+
+    ``text`` is the decoded text of every token seen so far, for stop-string checks.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.token_ids: list[int] = []
+        self.text = ""
+
+    def append(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.text = self._tokenizer.decode(self.token_ids, skip_special_tokens=True)
+
+    def clean_prefix_len(self, released: int = 0, look_back: int = 8) -> int:
+        """Most tokens (at least ``released``) whose text ends on a whole character.
+
+        Text that ends in U+FFFD may be a character whose remaining bytes have not been
+        generated yet, so it is held back. Once a prefix ends on a whole character, later
+        tokens cannot change it. Only the last ``look_back`` tokens are examined; a longer
+        run of undecodable bytes is held until the request finishes.
+        """
+        n = len(self.token_ids)
+        lowest = max(released, n - look_back)
+        while n > lowest and self.text_of(n).endswith(REPLACEMENT_CHAR):
+            n -= 1
+        return n if n > released else released
+
+    def text_of(self, n_tokens: int) -> str:
+        if n_tokens == len(self.token_ids):
+            return self.text
+        return self._tokenizer.decode(self.token_ids[:n_tokens], skip_special_tokens=True)

@@ -1,0 +1,344 @@
+"""The engine: admits requests, runs continuous-batching steps on its own thread, emits tokens.
+
+    engine = Engine(EngineConfig(model_dir=..., adapters={...}))
+    engine.submit(GenerationRequest(...), emit)   # emit(GenerationOutput) from the engine thread
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import queue
+import random
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from backend.adapter_store import AdapterStore
+from backend.catalogue import AdapterCatalogue
+from backend.config import EngineConfig
+from backend.detokenize import IncrementalDecoder, load_tokenizer
+from backend.errors import AdapterError, ErrorCode, RequestError
+from backend.kv_cache import PagedKVCache, kv_page_bytes
+from backend.loader import resolve_dtype
+from backend.lora_batch import LoraBatch
+from backend.model_config import ModelConfig
+from backend.models.llama import LlamaModel
+from backend.request import EmitFn, GenerationOutput, GenerationRequest
+from backend.sampling import make_generator, sample_next
+from backend.scheduler import ScheduledChunk, Scheduler
+from backend.sequence import Sequence
+from backend.step_batch import SequenceSlice, StepBatch
+
+log = logging.getLogger("manylora.engine")
+
+CPU_KV_BYTES_CAP = 2 << 30  # without a GPU, the KV pool takes at most this much host memory
+
+
+def resolve_device(name: str) -> str:
+    if name in ("auto", ""):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device '{name}' asked for, but torch sees no CUDA device")
+    return name
+
+
+def eos_token_ids(model_dir: str, cfg: ModelConfig) -> frozenset[int]:
+    """EOS ids from generation_config.json (which wins, as in transformers) or config.json."""
+    ids = set(cfg.eos_token_ids)
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            ids = set(eos) if isinstance(eos, list) else {eos}
+    return frozenset(int(i) for i in ids)
+
+
+class Engine:
+    """One base model, a catalogue of adapters, a paged KV cache, and the step loop."""
+
+    def __init__(self, config: EngineConfig, *, start: bool = True) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        if self.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(self.device))
+        self.model_config = ModelConfig.from_dir(config.model_dir)
+        cfg = self.model_config
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.max_len = config.max_model_len or cfg.max_position_embeddings
+        self.tokenizer = load_tokenizer(config.model_dir)
+        self.eos_ids = eos_token_ids(config.model_dir, cfg)
+        self.catalogue = AdapterCatalogue(cfg, config.max_lora_rank)
+        self.catalogue.register_all(config.adapters, strict=True)
+        t0 = time.perf_counter()
+        self.model = LlamaModel.load(config.model_dir, cfg, self.max_len, self.device, self.dtype)
+        log.info("loaded %s (%.1f MB) on %s as %s in %.1fs", cfg.architecture, self.model.weight_bytes() / 1e6,
+                 self.device, self.dtype, time.perf_counter() - t0)
+        self.adapters = AdapterStore(cfg, self.dtype, self.device, config.max_cpu_loras)
+        self.kv = PagedKVCache(cfg, self._num_kv_pages(), config.page_size, self.dtype, self.device)
+        log.info("KV cache: %d pages of %d tokens (%d tokens, %.1f MB)", self.kv.pool.num_pages, config.page_size,
+                 self.kv.pool.num_pages * config.page_size,
+                 self.kv.pool.num_pages * kv_page_bytes(cfg, config.page_size, self.dtype) / 1e6)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.max_loras)
+        self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._counters = {"steps": 0, "requests": 0, "finished": 0, "errors": 0, "tokens_out": 0, "tokens_in": 0}
+        self._thread = threading.Thread(target=self._loop, name="manylora-engine", daemon=True)
+        if start:
+            self._thread.start()
+
+    # ------------------------------------------------------------------ sizing
+    def _num_kv_pages(self) -> int:
+        cfg, c = self.model_config, self.config
+        page_bytes = kv_page_bytes(cfg, c.page_size, self.dtype)
+        if c.num_kv_pages:
+            return c.num_kv_pages
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+            free, _total = torch.cuda.mem_get_info()
+            # leave room for activations of the largest step and adapters: a fixed margin
+            margin = 2 << 30
+            return max(1, int((free * c.gpu_memory_fraction - margin) // page_bytes))
+        want = c.max_num_seqs * -(-self.max_len // c.page_size)
+        return max(1, min(want, CPU_KV_BYTES_CAP // page_bytes))
+
+    # ------------------------------------------------------------- admission
+    def validate(self, request: GenerationRequest) -> str | None:
+        """Raise RequestError if the request cannot be served; returns the adapter's sha256."""
+        p, rid = request.sampling, request.request_id
+        n = len(request.prompt_ids)
+        if n == 0:
+            raise RequestError(ErrorCode.INVALID_ARG, f"request {rid}: empty prompt (no input tokens)")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(ErrorCode.INVALID_ARG,
+                               f"request {rid}: token id {bad[0]} outside the vocabulary [0, {vocab})")
+        if n >= self.max_len:
+            raise RequestError(ErrorCode.INVALID_ARG,
+                               f"request {rid}: prompt of {n} tokens does not fit the context of {self.max_len} tokens "
+                               f"(max_model_len; at least one new token must fit)")
+        if p.max_tokens <= 0:
+            raise RequestError(ErrorCode.INVALID_ARG, f"request {rid}: max_tokens must be > 0, got {p.max_tokens}")
+        if n + p.max_tokens > self.max_len:
+            raise RequestError(ErrorCode.INVALID_ARG,
+                               f"request {rid}: prompt of {n} tokens + max_tokens {p.max_tokens} exceeds the context "
+                               f"of {self.max_len} tokens (max_model_len); ask for at most {self.max_len - n} tokens")
+        if not (math.isfinite(p.temperature) and p.temperature >= 0):
+            raise RequestError(ErrorCode.INVALID_ARG, f"request {rid}: temperature must be >= 0, got {p.temperature}")
+        if p.top_k < 0:
+            raise RequestError(ErrorCode.INVALID_ARG, f"request {rid}: top_k must be >= 0 (0: off), got {p.top_k}")
+        if not (math.isfinite(p.top_p) and 0 < p.top_p <= 1):
+            raise RequestError(ErrorCode.INVALID_ARG, f"request {rid}: top_p must be in (0, 1], got {p.top_p}")
+        if p.seed is not None and not 0 <= p.seed < 2**64:
+            raise RequestError(ErrorCode.INVALID_ARG, f"request {rid}: seed must be in [0, 2^64), got {p.seed}")
+        if self.kv.pages_needed(n + p.max_tokens) > self.kv.pool.num_pages:
+            raise RequestError(ErrorCode.INVALID_ARG,
+                               f"request {rid}: {n + p.max_tokens} tokens need more KV pages than the pool has "
+                               f"({self.kv.pool.num_pages} pages of {self.kv.page_size})")
+        limit = self.config.max_queue_size
+        if limit and len(self.scheduler.waiting) + self._inbox.qsize() >= limit:
+            raise RequestError(ErrorCode.UNAVAILABLE,
+                               f"request {rid}: queue full ({limit} waiting requests, max_queue_size); retry later")
+        if request.adapter:
+            try:
+                return self.catalogue.resolve(request.adapter).sha256
+            except RequestError as e:
+                raise RequestError(e.code, f"request {rid}: {e.message}") from None
+        return None
+
+    def submit(self, request: GenerationRequest, emit: EmitFn) -> None:
+        """Validate and queue a request; raises RequestError (nothing queued) if it is bad."""
+        sha = self.validate(request)
+        seed = request.sampling.seed if request.sampling.seed is not None else random.getrandbits(63)
+        seq = Sequence(request, emit, IncrementalDecoder(self.tokenizer), make_generator(seed), self.eos_ids,
+                       self.max_len, sha)
+        self._counters["requests"] += 1
+        self._inbox.put(seq)
+        self._wake.set()
+
+    # ---------------------------------------------------------------- queries
+    def list_adapters(self) -> list[dict]:
+        return [
+            {"name": s.name, "rank": s.rank, "target_modules": list(s.target_modules), "sha256": s.sha256,
+             "path": s.path, "layers": len(s.layers)}
+            for s in self.catalogue.specs()
+        ]
+
+    def stats(self) -> dict:
+        pool = self.kv.pool
+        return {
+            **self._counters,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting) + self._inbox.qsize(),
+            "kv_pages_total": pool.num_pages,
+            "kv_pages_used": pool.num_used,
+            "page_size": self.kv.page_size,
+            "preemptions": self.scheduler.num_preemptions,
+            "adapters_registered": len(self.catalogue),
+            "adapters_resident": self.adapters.resident(),
+            "adapter_loads": self.adapters.loads,
+            "adapter_evictions": self.adapters.evictions,
+            "device": self.device,
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "max_model_len": self.max_len,
+        }
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------------- loop
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            self._drain_inbox()
+            self._drop_cancelled()
+            if not self.scheduler.has_work():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                self.step()
+            except Exception:  # noqa: BLE001 - the engine must outlive any one bad step
+                log.error("engine step failed:\n%s", traceback.format_exc())
+        self._fail_all("the server is shutting down")
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                self.scheduler.add(self._inbox.get_nowait())
+            except queue.Empty:
+                return
+
+    def _drop_cancelled(self) -> None:
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            check = seq.request.is_cancelled
+            try:
+                cancelled = bool(check and check())
+            except Exception:  # noqa: BLE001 - a broken sender counts as gone
+                cancelled = True
+            if cancelled:
+                self._finish_with_error(seq, RequestError(ErrorCode.CANCELLED,
+                                                          f"request {seq.request_id}: cancelled by the client"))
+
+    def _fail_all(self, why: str) -> None:
+        self._drain_inbox()
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self._finish_with_error(seq, RequestError(ErrorCode.UNAVAILABLE, f"request {seq.request_id}: {why}"))
+
+    def step(self) -> None:
+        """One scheduling decision and one forward pass over the chosen tokens."""
+        plan = self.scheduler.schedule()
+        if not plan:
+            return
+        try:
+            lora = self._lora_batch(plan)
+        except AdapterError as e:
+            self._fail_adapter(plan, e)
+            return
+        try:
+            batch, sampled = self._step_batch(plan)
+            logits = self.model.forward(batch, self.kv, lora)
+        except Exception as e:
+            for chunk in plan:
+                self._finish_with_error(chunk.sequence, RequestError(
+                    ErrorCode.INTERNAL, f"request {chunk.sequence.request_id}: step failed: {e}"))
+            raise
+        self._counters["steps"] += 1
+        for chunk in plan:
+            chunk.sequence.num_computed += chunk.num_tokens
+        self._sample_and_emit(sampled, logits)
+
+    def _lora_batch(self, plan: list[ScheduledChunk]) -> LoraBatch | None:
+        names = sorted({c.sequence.adapter for c in plan if c.sequence.adapter})
+        if not names:
+            return None
+        pinned = {s.adapter for s in self.scheduler.running if s.adapter}
+        weights = []
+        for name in names:
+            spec = self.catalogue.get(name)
+            weights.append(self.adapters.get(spec, pinned))
+        slot_of = {name: i for i, name in enumerate(names)}
+        token_slots: list[int] = []
+        for c in plan:
+            token_slots += [slot_of.get(c.sequence.adapter, -1) if c.sequence.adapter else -1] * c.num_tokens
+        return LoraBatch(token_slots, weights, self.device)
+
+    def _fail_adapter(self, plan: list[ScheduledChunk], error: AdapterError) -> None:
+        log.error("%s", error)
+        for c in plan:
+            if c.sequence.adapter == error.adapter:
+                self._finish_with_error(c.sequence, RequestError(
+                    ErrorCode.UNAVAILABLE, f"request {c.sequence.request_id}: {error}"))
+
+    def _step_batch(self, plan: list[ScheduledChunk]) -> tuple[StepBatch, list[Sequence]]:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        slices: list[SequenceSlice] = []
+        logits_rows: list[int] = []
+        sampled: list[Sequence] = []
+        page_size = self.kv.page_size
+        for c in plan:
+            seq = c.sequence
+            start = seq.num_computed
+            tokens = seq.all_ids[start:start + c.num_tokens]
+            pages = self.kv.pool.pages_of(seq)
+            row0 = len(ids)
+            ids += tokens
+            positions += range(start, start + c.num_tokens)
+            slots += [pages[p // page_size] * page_size + p % page_size for p in range(start, start + c.num_tokens)]
+            table = torch.tensor(pages[: self.kv.pages_needed(start + c.num_tokens)], dtype=torch.int64,
+                                 device=self.device)
+            slices.append(SequenceSlice(row0, c.num_tokens, start + c.num_tokens, table))
+            if start + c.num_tokens == seq.num_tokens():
+                logits_rows.append(len(ids) - 1)
+                sampled.append(seq)
+        dev = self.device
+        batch = StepBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            kv_slots=torch.tensor(slots, dtype=torch.int64, device=dev),
+            sequences=slices,
+            logits_rows=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+        )
+        self._counters["tokens_in"] += len(ids)
+        return batch, sampled
+
+    def _sample_and_emit(self, sampled: list[Sequence], logits: torch.Tensor) -> None:
+        greedy = torch.argmax(logits, dim=-1).tolist() if len(sampled) else []
+        for row, seq in enumerate(sampled):
+            params = seq.request.sampling
+            token = greedy[row] if params.temperature == 0.0 else sample_next(logits[row], params, seq.generator)
+            seq.append_token(token)
+            self._counters["tokens_out"] += 1
+            output = seq.next_output()
+            if output is not None:
+                self._emit(seq, output)
+            if seq.finish_reason is not None:
+                self.scheduler.remove(seq)
+                self._counters["finished"] += 1
+
+    def _emit(self, seq: Sequence, output: GenerationOutput) -> None:
+        try:
+            seq.emit(output)
+        except Exception:  # noqa: BLE001 - a client gone away must not stop the engine
+            log.warning("request %s: emit failed:\n%s", seq.request_id, traceback.format_exc())
+            if seq.finish_reason is None:
+                seq.finish_reason = "error"
+                self.scheduler.remove(seq)
+
+    def _finish_with_error(self, seq: Sequence, error: RequestError) -> None:
+        self.scheduler.remove(seq)
+        seq.finish_reason = "cancelled" if error.code is ErrorCode.CANCELLED else "error"
+        self._counters["errors"] += 1
+        self._emit(seq, GenerationOutput(
+            request_id=seq.request_id, token_ids=[], context_ids=[], finished=True,
+            finish_reason=seq.finish_reason, error=error, adapter=seq.adapter, adapter_sha256=seq.adapter_sha256))

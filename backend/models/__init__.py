@@ -1,0 +1,1 @@
+"""Model families the engine can serve."""

@@ -1,0 +1,41 @@
+"""Next-token choice per request: greedy, or seeded temperature / top-k / top-p sampling.
+
+Each request draws from its own torch.Generator, so a seeded request gives the same
+tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from backend.request import SamplingParams
+
+
+def make_generator(seed: int) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+    return g
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """logits [V] with everything outside the top-k and the top-p nucleus set to -inf."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        # keep a token if the mass before it is below top_p (the first token always stays)
+        drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One token id from float32 logits [V]."""
+    if params.temperature == 0.0:
+        return int(torch.argmax(logits).item())
+    scaled = filter_logits(logits.float().cpu() / params.temperature, params.top_k, params.top_p)
+    probs = torch.softmax(scaled, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator).item())

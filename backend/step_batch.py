@@ -1,0 +1,28 @@
+"""The tensors and metadata of one forward step over a flat batch of tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SequenceSlice:
+    """One sequence's part of the step: its new tokens are batch rows [start, start+length)."""
+
+    start: int
+    length: int
+    context_len: int  # tokens in the KV cache once this step's tokens are written
+    block_table: torch.Tensor  # int64 [pages] on the model's device
+
+
+@dataclass
+class StepBatch:
+    """Flat token batch: T tokens from several sequences, prefill chunks and decodes mixed."""
+
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    kv_slots: torch.Tensor  # int64 [T]: page * page_size + offset where each token's k, v go
+    sequences: list[SequenceSlice]
+    logits_rows: torch.Tensor  # int64 [n]: rows whose next-token logits are wanted

@@ -1,0 +1,107 @@
+"""Tiny random checkpoints and PEFT adapters, written through the same code paths a user's go through."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+TOKENIZER_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Café crème, naïve façade, 東京 and emoji 🙂 too. "
+    "Rain falls on the small town while the baker opens the shop and the river runs by the old mill. "
+) * 8
+
+FAMILIES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def train_tokenizer(vocab_size: int = 300) -> Tokenizer:
+    """A byte-level BPE with <s>/</s>, <s> prepended to every sequence."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([TOKENIZER_TEXT], trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    return tok
+
+
+def make_base(out: Path, family: str = "llama", *, layers: int = 2, hidden: int = 64, heads: int = 4,
+              kv_heads: int = 2, intermediate: int = 96, seed: int = 0, shards: int = 1,
+              dtype: torch.dtype = torch.float32, **extra) -> Path:
+    """Write a random-weight checkpoint of a family with a trained tokenizer; returns its directory."""
+    import transformers
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer()
+    tok.save(str(out / "tokenizer.json"))
+    arch = FAMILIES[family]
+    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    config = config_cls(
+        vocab_size=tok.get_vocab_size(), hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=256, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
+        architectures=[arch], **extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(config).to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():  # larger weights than the default init: peakier logits
+            p.normal_(0, 0.15)
+    max_shard = "1GB" if shards == 1 else f"{max(1, _param_bytes(model) // shards // 1000)}KB"
+    model.save_pretrained(out, max_shard_size=max_shard)
+    return out
+
+
+def _param_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def make_adapter(base_dir: Path, out: Path, *, rank: int, targets: list[str], alpha: float | None = None,
+                 seed: int = 1, use_rslora: bool = False, layers: list[int] | None = None) -> Path:
+    """A PEFT LoRA adapter for base_dir with random (nonzero) A and B."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=targets, use_rslora=use_rslora,
+                        layers_to_transform=layers, task_type="CAUSAL_LM")
+    peft_model = get_peft_model(model, config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.3 / rank ** 0.5)
+    peft_model.save_pretrained(out)
+    return out
+
+
+def write_catalogue(path: Path, adapters: dict[str, Path]) -> Path:
+    path.write_text(json.dumps({k: str(v) for k, v in adapters.items()}, indent=1))
+    return path
+
+
+def peft_greedy(base_dir: Path, adapter_dir: Path | None, prompt_ids: list[int], max_new_tokens: int,
+                eos_id: int | None = 1) -> list[int]:
+    """The oracle: transformers (+ peft) greedy continuation, float32 on CPU, stopping at EOS."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=eos_id, pad_token_id=eos_id)
+    new = out[0, len(prompt_ids):].tolist()
+    if eos_id is not None and eos_id in new:
+        new = new[: new.index(eos_id)]
+    return new

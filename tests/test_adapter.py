@@ -1,0 +1,459 @@
+"""backend.adapter against real PEFT adapters (peft get_peft_model + save_pretrained, random weights)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from backend.adapter import (
+    AdapterSpec,
+    LoraWeights,
+    compute_sha256,
+    load_adapter_weights,
+    parse_adapter_spec,
+)
+from backend.errors import AdapterError
+from backend.model_config import PROJECTIONS, ModelConfig
+
+TINY = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
+MAX_RANK = 16
+
+
+def base_config(**overrides: int) -> LlamaConfig:
+    """A tiny Llama config."""
+    return LlamaConfig(**{**TINY, **overrides})
+
+
+def model_config(**overrides: int) -> ModelConfig:
+    """ModelConfig of the tiny Llama base (with overrides)."""
+    d = base_config(**overrides).to_dict()
+    d["architectures"] = ["LlamaForCausalLM"]
+    return ModelConfig.from_dict(d)
+
+
+def make_adapter(path: Path, *, seed: int = 0, base: dict | None = None, **lora_kwargs: object) -> PeftModel:
+    """Save a PEFT LoRA adapter with random (nonzero) A and B to ``path``; return the PeftModel."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(base_config(**(base or {})))
+    kwargs = {"r": 4, "lora_alpha": 8, "target_modules": list(PROJECTIONS), **lora_kwargs}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = get_peft_model(model, LoraConfig(**kwargs))
+        with torch.no_grad():
+            for n, p in pm.named_parameters():
+                if "lora_B" in n:
+                    p.normal_()
+        pm.save_pretrained(str(path))
+    return pm
+
+
+def peft_modules(pm: PeftModel) -> dict[tuple[int, str], torch.nn.Module]:
+    """(layer, projection) -> the PEFT LoRA layer wrapping that projection."""
+    out = {}
+    for n, mod in pm.named_modules():
+        if hasattr(mod, "lora_A") and "default" in getattr(mod, "lora_A", {}):
+            parts = n.split(".")
+            out[(int(parts[parts.index("layers") + 1]), parts[-1])] = mod
+    return out
+
+
+@pytest.fixture(scope="module")
+def mc() -> ModelConfig:
+    return model_config()
+
+
+@pytest.fixture(scope="module")
+def golden(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One valid adapter (r=4, all projections, all layers); copy it before changing it."""
+    path = tmp_path_factory.mktemp("golden")
+    make_adapter(path)
+    return path
+
+
+def copy_of(golden: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "adapter"
+    shutil.copytree(golden, dst)
+    return dst
+
+
+def edit_config(path: Path, **changes: object) -> None:
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    cfg.update(changes)
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+
+
+def edit_weights(path: Path, fn: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]) -> None:
+    f = path / "adapter_model.safetensors"
+    save_file(fn(load_file(str(f))), str(f), metadata={"format": "pt"})
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# what PEFT writes, and parse/load agreeing with it
+
+
+def test_peft_0_21_key_format(golden: Path) -> None:
+    keys = set(load_file(str(golden / "adapter_model.safetensors")))
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in keys
+    assert "base_model.model.model.layers.2.mlp.down_proj.lora_B.weight" in keys
+    assert len(keys) == 3 * 7 * 2
+    assert not (golden / "adapter_model.bin").exists()
+
+
+CASES: dict[str, dict] = {
+    "all_r4": {},
+    "qv_r8": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]},
+    "mlp_r2_rslora": {
+        "r": 2,
+        "lora_alpha": 5,
+        "target_modules": ["gate_proj", "up_proj", "down_proj"],
+        "use_rslora": True,
+    },
+    "layers_to_transform": {"r": 3, "target_modules": ["k_proj", "o_proj"], "layers_to_transform": [0, 2]},
+    "rank_pattern": {
+        "r": 4,
+        "lora_alpha": 8,
+        "target_modules": ["q_proj", "v_proj", "down_proj"],
+        "rank_pattern": {"model.layers.1.self_attn.q_proj": 2, "down_proj": 6},
+        "alpha_pattern": {"v_proj": 3, "layers.2.mlp.down_proj": 12},
+        "use_rslora": True,
+    },
+    "all_linear": {"r": 5, "target_modules": "all-linear"},
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_parse_and_load_match_peft(case: str, tmp_path: Path, mc: ModelConfig) -> None:
+    pm = make_adapter(tmp_path, seed=len(case), **CASES[case])
+    spec = parse_adapter_spec(f"ad-{case}", tmp_path, mc, MAX_RANK)
+    mods = peft_modules(pm)
+
+    assert isinstance(spec, AdapterSpec)
+    assert spec.name == f"ad-{case}"
+    assert spec.sha256 == hashlib.sha256((tmp_path / "adapter_model.safetensors").read_bytes()).hexdigest()
+    assert spec.target_modules == tuple(sorted({m for _, m in mods}))
+    assert spec.layers == tuple(sorted({layer for layer, _ in mods}))
+    assert set(spec.layer_ranks) == set(mods) == set(spec.scaling)
+    for key, mod in mods.items():
+        assert spec.layer_ranks[key] == mod.r["default"]
+        assert spec.scaling[key] == pytest.approx(mod.scaling["default"], rel=1e-12)
+    assert spec.rank == max(m.r["default"] for m in mods.values())
+    for module in spec.target_modules:
+        assert spec.ranks[module] == max(m.r["default"] for (_, p), m in mods.items() if p == module)
+
+    lw = load_adapter_weights(spec, mc)
+    assert isinstance(lw, LoraWeights) and lw.spec is spec
+    assert set(lw.weights) == set(mods)
+    for key, (a, b, scaling) in lw.weights.items():
+        n_in, n_out = mc.projection_shape(key[1])
+        assert a.shape == (spec.layer_ranks[key], n_in) and b.shape == (n_out, spec.layer_ranks[key])
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, mods[key].lora_A["default"].weight, rtol=0, atol=0)
+        torch.testing.assert_close(b, mods[key].lora_B["default"].weight, rtol=0, atol=0)
+        assert scaling == spec.scaling[key]
+
+
+def test_rank_pattern_and_rslora_scaling_values(tmp_path: Path, mc: ModelConfig) -> None:
+    make_adapter(tmp_path, **CASES["rank_pattern"])
+    spec = parse_adapter_spec("rp", tmp_path, mc, MAX_RANK)
+    assert spec.layer_ranks[(1, "q_proj")] == 2 and spec.layer_ranks[(0, "q_proj")] == 4
+    assert spec.ranks == {"q_proj": 4, "v_proj": 4, "down_proj": 6}
+    assert spec.scaling[(0, "q_proj")] == pytest.approx(8 / math.sqrt(4))
+    assert spec.scaling[(1, "q_proj")] == pytest.approx(8 / math.sqrt(2))
+    assert spec.scaling[(0, "v_proj")] == pytest.approx(3 / math.sqrt(4))
+    assert spec.scaling[(2, "down_proj")] == pytest.approx(12 / math.sqrt(6))
+    assert spec.scaling[(0, "down_proj")] == pytest.approx(8 / math.sqrt(6))
+
+
+def test_plain_scaling_is_alpha_over_r(tmp_path: Path, mc: ModelConfig) -> None:
+    make_adapter(tmp_path, r=8, lora_alpha=32, target_modules=["q_proj"])
+    spec = parse_adapter_spec("plain", tmp_path, mc, MAX_RANK)
+    assert set(spec.scaling.values()) == {4.0}
+    assert spec.use_rslora is False
+
+
+def test_adapter_name_segment_in_keys_is_accepted(golden: Path, tmp_path: Path, mc: ModelConfig) -> None:
+    path = copy_of(golden, tmp_path)
+    edit_weights(path, lambda t: {k.replace(".weight", ".default.weight"): v for k, v in t.items()})
+    spec = parse_adapter_spec("seg", path, mc, MAX_RANK)
+    ref = load_adapter_weights(parse_adapter_spec("ref", golden, mc, MAX_RANK), mc)
+    got = load_adapter_weights(spec, mc)
+    for key, (a, b, _) in ref.weights.items():
+        assert torch.equal(got.weights[key][0], a) and torch.equal(got.weights[key][1], b)
+
+
+def test_load_dtype_and_bf16_file(golden: Path, tmp_path: Path, mc: ModelConfig) -> None:
+    path = copy_of(golden, tmp_path)
+    edit_weights(path, lambda t: {k: v.to(torch.bfloat16) for k, v in t.items()})
+    spec = parse_adapter_spec("bf", path, mc, MAX_RANK)
+    lw = load_adapter_weights(spec, mc, dtype=torch.float16, device="cpu")
+    a, b, _ = lw.weights[(0, "q_proj")]
+    assert a.dtype == b.dtype == torch.float16 and a.device.type == "cpu"
+    assert lw.nbytes() == sum(v.numel() * 2 for v in load_file(str(path / "adapter_model.safetensors")).values())
+
+
+def test_compute_sha256_matches_hashlib(golden: Path) -> None:
+    f = golden / "adapter_model.safetensors"
+    assert compute_sha256(f) == hashlib.sha256(f.read_bytes()).hexdigest()
+
+
+def test_base_model_name_recorded(golden: Path, tmp_path: Path, mc: ModelConfig) -> None:
+    path = copy_of(golden, tmp_path)
+    edit_config(path, base_model_name_or_path="meta-llama/Llama-3.2-1B")
+    assert parse_adapter_spec("b", path, mc, MAX_RANK).base_model_name_or_path == "meta-llama/Llama-3.2-1B"
+    assert parse_adapter_spec("g", golden, mc, MAX_RANK).base_model_name_or_path is None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# refusals at registration
+
+
+def _rm(path: Path, name: str) -> None:
+    (path / name).unlink()
+
+
+def _drop_key(fragment: str) -> Callable[[Path], None]:
+    return lambda p: edit_weights(p, lambda t: {k: v for k, v in t.items() if fragment not in k})
+
+
+def _add_tensor(key: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> Callable[[Path], None]:
+    return lambda p: edit_weights(p, lambda t: {**t, key: torch.zeros(shape, dtype=dtype)})
+
+
+def _bin_only(p: Path) -> None:
+    torch.save({}, p / "adapter_model.bin")
+    _rm(p, "adapter_model.safetensors")
+
+
+def _truncate(p: Path) -> None:
+    f = p / "adapter_model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+
+
+A0 = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+REFUSALS: dict[str, tuple[Callable[[Path], None], str]] = {
+    "config_missing": (lambda p: _rm(p, "adapter_config.json"), "adapter_config.json not found"),
+    "config_bad_json": (lambda p: (p / "adapter_config.json").write_text("{not json"), "not valid JSON"),
+    "config_not_object": (lambda p: (p / "adapter_config.json").write_text("[1]"), "must hold a JSON object"),
+    "peft_type": (lambda p: edit_config(p, peft_type="IA3"), "peft_type is 'IA3'"),
+    "dora": (lambda p: edit_config(p, use_dora=True), "DoRA is not supported"),
+    "modules_to_save": (lambda p: edit_config(p, modules_to_save=["lm_head"]), "modules_to_save"),
+    "bias": (lambda p: edit_config(p, bias="lora_only"), "bias is 'lora_only'"),
+    "fan_in_fan_out": (lambda p: edit_config(p, fan_in_fan_out=True), "fan_in_fan_out"),
+    "lora_bias": (lambda p: edit_config(p, lora_bias=True), "lora_bias=True is not supported"),
+    "target_lm_head": (lambda p: edit_config(p, target_modules=["q_proj", "lm_head"]), "'lm_head' is not supported"),
+    "target_embed": (
+        lambda p: (
+            edit_config(p, target_modules=".*"),
+            _add_tensor("base_model.model.model.embed_tokens.lora_embedding_A", (4, 64))(p),
+        ),
+        "module 'embed_tokens' is not supported",
+    ),
+    "weights_lm_head": (
+        lambda p: (
+            edit_config(p, target_modules="all-linear"),
+            _add_tensor("base_model.model.lm_head.lora_A.weight", (4, 32))(p),
+        ),
+        "module 'lm_head' is not supported",
+    ),
+    "proj_in_wrong_block": (
+        _add_tensor("base_model.model.model.layers.0.mlp.q_proj.lora_A.weight", (4, 32)),
+        "q_proj belongs under '.self_attn.'",
+    ),
+    "a_without_b": (_drop_key("layers.1.mlp.up_proj.lora_B"), "has no matching lora_B"),
+    "b_without_a": (_drop_key("layers.1.mlp.up_proj.lora_A"), "has no matching lora_A"),
+    "no_weights": (lambda p: save_file({}, str(p / "adapter_model.safetensors")), "no LoRA weights"),
+    "bin_only": (_bin_only, "only safetensors adapters are supported"),
+    "no_weights_file": (lambda p: _rm(p, "adapter_model.safetensors"), "adapter_model.safetensors not found"),
+    "truncated": (_truncate, "is not a valid safetensors file"),
+    "garbage_file": (
+        lambda p: (p / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{oops"),
+        "is not a valid safetensors file",
+    ),
+    "int_dtype": (lambda p: edit_weights(p, lambda t: {**t, A0: t[A0].to(torch.int32)}), "has dtype I32"),
+    "one_d": (lambda p: edit_weights(p, lambda t: {**t, A0: t[A0].flatten()}), "expected a 2-D matrix"),
+    "a_wrong_in": (lambda p: edit_weights(p, lambda t: {**t, A0: torch.zeros(4, 31)}), f"'{A0}' has shape [4, 31]"),
+    "layers_to_transform_extra": (
+        lambda p: edit_config(p, layers_to_transform=[0, 1]),
+        "weights do not match layers_to_transform [0, 1]",
+    ),
+    "layers_to_transform_missing": (
+        lambda p: (edit_config(p, layers_to_transform=[0, 1, 2]), _drop_key("layers.2.")(p)),
+        "no weights for [2]",
+    ),
+    "layers_to_transform_too_deep": (lambda p: edit_config(p, layers_to_transform=[0, 1, 2, 7]), "[7] >= "),
+    "rank_pattern_disagrees": (lambda p: edit_config(p, rank_pattern={"v_proj": 2}), "declares r=2"),
+    "r_disagrees": (lambda p: edit_config(p, r=8), "declares r=8"),
+    "rank_pattern_bad_regex": (lambda p: edit_config(p, rank_pattern={"q_proj(": 2}), "cannot be interpreted"),
+    "rank_pattern_bad_value": (lambda p: edit_config(p, rank_pattern={"q_proj": "x"}), "must be a positive integer"),
+    "layers_to_transform_bad": (lambda p: edit_config(p, layers_to_transform="all"), "layers_to_transform must be"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_refusals(case: str, golden: Path, tmp_path: Path, mc: ModelConfig) -> None:
+    mutate, reason = REFUSALS[case]
+    path = copy_of(golden, tmp_path)
+    mutate(path)
+    with pytest.raises(AdapterError) as ei:
+        parse_adapter_spec(f"bad-{case}", path, mc, MAX_RANK)
+    msg = str(ei.value)
+    assert f"bad-{case}" in msg and ei.value.adapter == f"bad-{case}"
+    assert reason in msg, msg
+
+
+def test_refuses_missing_directory(tmp_path: Path, mc: ModelConfig) -> None:
+    with pytest.raises(AdapterError, match="'gone'.*does not exist"):
+        parse_adapter_spec("gone", tmp_path / "nope", mc, MAX_RANK)
+
+
+def test_refuses_rank_above_max(tmp_path: Path, mc: ModelConfig) -> None:
+    make_adapter(tmp_path, r=64, lora_alpha=64, target_modules=["q_proj"])
+    with pytest.raises(AdapterError, match="'big'.*rank 64 exceeds max_lora_rank 16"):
+        parse_adapter_spec("big", tmp_path, mc, 16)
+    assert parse_adapter_spec("big", tmp_path, mc, 64).rank == 64
+
+
+def test_refuses_adapter_for_another_base(tmp_path: Path, mc: ModelConfig) -> None:
+    make_adapter(tmp_path, base={"hidden_size": 64, "num_attention_heads": 8})
+    with pytest.raises(AdapterError) as ei:
+        parse_adapter_spec("other", tmp_path, mc, MAX_RANK)
+    msg = str(ei.value)
+    assert "'other'" in msg and "has shape [64, 4], expected [32, 4]" in msg and "another base model" in msg
+
+
+def test_refuses_layer_beyond_base(golden: Path, mc: ModelConfig) -> None:
+    shallow = model_config(num_hidden_layers=2)
+    with pytest.raises(AdapterError, match="'deep'.*layer index 2 >= the base model's num_layers 2"):
+        parse_adapter_spec("deep", golden, shallow, MAX_RANK)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# refusals at load
+
+
+def test_load_refuses_changed_file(golden: Path, tmp_path: Path, mc: ModelConfig) -> None:
+    path = copy_of(golden, tmp_path)
+    spec = parse_adapter_spec("moved", path, mc, MAX_RANK)
+    edit_weights(path, lambda t: {k: v * 2 for k, v in t.items()})
+    with pytest.raises(AdapterError, match="'moved'.*changed since registration"):
+        load_adapter_weights(spec, mc)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_load_refuses_non_finite(bad: float, golden: Path, tmp_path: Path, mc: ModelConfig) -> None:
+    path = copy_of(golden, tmp_path)
+    key = "base_model.model.model.layers.1.mlp.gate_proj.lora_B.weight"
+
+    def poison(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        t[key] = t[key].clone()
+        t[key][3, 1] = bad
+        return t
+
+    edit_weights(path, poison)
+    spec = parse_adapter_spec("nan", path, mc, MAX_RANK)  # header only: registration cannot see values
+    with pytest.raises(AdapterError, match=rf"'nan'.*tensor '{key}' has 1 non-finite"):
+        load_adapter_weights(spec, mc)
+
+
+def test_load_refuses_overflow_in_conversion(golden: Path, tmp_path: Path, mc: ModelConfig) -> None:
+    path = copy_of(golden, tmp_path)
+    edit_weights(path, lambda t: {**t, A0: t[A0] * 1e6})
+    spec = parse_adapter_spec("huge", path, mc, MAX_RANK)
+    load_adapter_weights(spec, mc)  # fine in float32
+    with pytest.raises(AdapterError, match=rf"'huge'.*'{A0}' overflows torch.float16"):
+        load_adapter_weights(spec, mc, dtype=torch.float16)
+
+
+def test_load_refuses_deleted_file(golden: Path, tmp_path: Path, mc: ModelConfig) -> None:
+    path = copy_of(golden, tmp_path)
+    spec = parse_adapter_spec("del", path, mc, MAX_RANK)
+    _rm(path, "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match="'del'.*cannot read"):
+        load_adapter_weights(spec, mc)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# fuzz: malformed files raise AdapterError, never anything else
+
+
+@st.composite
+def mutated_file(draw: st.DrawFn, data: bytes) -> bytes:
+    kind = draw(st.sampled_from(["truncate", "flip", "header", "header_len"]))
+    if kind == "truncate":
+        return data[: draw(st.integers(0, len(data) - 1))]
+    if kind == "flip":
+        buf = bytearray(data)
+        # Bias towards the header, where structure lives.
+        limit = draw(st.sampled_from([64, 8 + int.from_bytes(data[:8], "little"), len(data)]))
+        for _ in range(draw(st.integers(1, 8))):
+            i = draw(st.integers(0, min(limit, len(data)) - 1))
+            buf[i] = draw(st.integers(0, 255))
+        return bytes(buf)
+    if kind == "header_len":
+        n = draw(st.integers(0, 2**64 - 1))
+        return n.to_bytes(8, "little") + data[8:]
+    json_values = st.recursive(
+        st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.text(max_size=8),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+        max_leaves=12,
+    )
+    entry = st.fixed_dictionaries(
+        {
+            "dtype": st.sampled_from(["F32", "F16", "BF16", "I32", "F64", "X"]) | json_values,
+            "shape": st.lists(st.integers(-2, 40), max_size=3) | json_values,
+            "data_offsets": st.lists(st.integers(-2, 600), min_size=2, max_size=2) | json_values,
+        }
+    )
+    key = st.sampled_from([A0, A0.replace("lora_A", "lora_B"), "__metadata__", "x"]) | st.text(max_size=12)
+    header = draw(st.dictionaries(key, entry | json_values, max_size=4))
+    raw = json.dumps(header).encode()
+    body = draw(st.binary(max_size=600))
+    return len(raw).to_bytes(8, "little") + raw + body
+
+
+@pytest.fixture(scope="module")
+def fuzz_seed(golden: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, bytes]:
+    """A one-module adapter (small header, small body) and its safetensors bytes."""
+    path = tmp_path_factory.mktemp("fuzz") / "adapter"
+    shutil.copytree(golden, path)
+    edit_config(path, target_modules=["q_proj"])
+    edit_weights(path, lambda t: {k: v for k, v in t.items() if "layers.0.self_attn.q_proj" in k})
+    return path, (path / "adapter_model.safetensors").read_bytes()
+
+
+def test_fuzz_malformed_safetensors(fuzz_seed: tuple[Path, bytes], mc: ModelConfig) -> None:
+    path, seed = fuzz_seed
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(blob=mutated_file(seed))
+    def check(blob: bytes) -> None:
+        (path / "adapter_model.safetensors").write_bytes(blob)
+        try:
+            spec = parse_adapter_spec("fuzz", path, mc, MAX_RANK)
+            load_adapter_weights(spec, mc)
+        except AdapterError as e:
+            assert e.adapter == "fuzz"
+
+    check()
