@@ -18,25 +18,29 @@ from pathlib import Path
 
 import torch
 
-from backend.adapter_store import AdapterStore
+from backend.adapter_manager import AdapterManager, pin_memory_available
 from backend.catalogue import AdapterCatalogue
 from backend.config import EngineConfig
 from backend.detokenize import IncrementalDecoder, load_tokenizer
-from backend.errors import AdapterError, ErrorCode, RequestError
-from backend.kv_cache import PagedKVCache, kv_page_bytes
+from backend.errors import ErrorCode, RequestError
+from backend.host_cache import HostAdapterCache
+from backend.kv_cache import PagedKVCache
 from backend.loader import resolve_dtype
 from backend.lora_batch import LoraBatch
-from backend.model_config import ModelConfig
+from backend.model_config import PROJECTIONS, ModelConfig
 from backend.models.llama import LlamaModel
 from backend.request import EmitFn, GenerationOutput, GenerationRequest
 from backend.sampling import make_generator, sample_next
 from backend.scheduler import ScheduledChunk, Scheduler
 from backend.sequence import Sequence
 from backend.step_batch import SequenceSlice, StepBatch
+from backend.unified_pool import UnifiedPool, page_bytes, page_elements
 
 log = logging.getLogger("manylora.engine")
 
-CPU_KV_BYTES_CAP = 2 << 30  # without a GPU, the KV pool takes at most this much host memory
+CPU_POOL_BYTES_CAP = 2 << 30  # without a GPU, the pool takes at most this much host memory
+GPU_MARGIN_BYTES = 2 << 30  # left free on the GPU for activations of the largest step
+PREFETCH_LOOKAHEAD = 64  # waiting requests whose adapters are loaded ahead
 
 
 def resolve_device(name: str) -> str:
@@ -78,12 +82,14 @@ class Engine:
         self.model = LlamaModel.load(config.model_dir, cfg, self.max_len, self.device, self.dtype)
         log.info("loaded %s (%.1f MB) on %s as %s in %.1fs", cfg.architecture, self.model.weight_bytes() / 1e6,
                  self.device, self.dtype, time.perf_counter() - t0)
-        self.adapters = AdapterStore(cfg, self.dtype, self.device, config.max_cpu_loras)
-        self.kv = PagedKVCache(cfg, self._num_kv_pages(), config.page_size, self.dtype, self.device)
-        log.info("KV cache: %d pages of %d tokens (%d tokens, %.1f MB)", self.kv.pool.num_pages, config.page_size,
-                 self.kv.pool.num_pages * config.page_size,
-                 self.kv.pool.num_pages * kv_page_bytes(cfg, config.page_size, self.dtype) / 1e6)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.max_loras)
+        self.pool = UnifiedPool(cfg, self._num_pages(), config.page_size, self.dtype, self.device)
+        self.kv = PagedKVCache(self.pool)
+        host = HostAdapterCache(cfg, self.dtype, self.pool.page_elems, config.max_lora_rank, config.max_cpu_loras,
+                                pin_memory=pin_memory_available(self.device))
+        self.adapters = AdapterManager(self.catalogue, self.pool, host, self.device)
+        self._log_pool()
+        self.scheduler = Scheduler(self.kv, self.adapters, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_loras)
         self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -93,19 +99,35 @@ class Engine:
             self._thread.start()
 
     # ------------------------------------------------------------------ sizing
-    def _num_kv_pages(self) -> int:
+    def _num_pages(self) -> int:
+        """Pages in the unified pool: given, or what free memory holds less a margin."""
         cfg, c = self.model_config, self.config
-        page_bytes = kv_page_bytes(cfg, c.page_size, self.dtype)
+        size = page_bytes(cfg, c.page_size, self.dtype)
         if c.num_kv_pages:
             return c.num_kv_pages
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
             free, _total = torch.cuda.mem_get_info()
-            # leave room for activations of the largest step and adapters: a fixed margin
-            margin = 2 << 30
-            return max(1, int((free * c.gpu_memory_fraction - margin) // page_bytes))
-        want = c.max_num_seqs * -(-self.max_len // c.page_size)
-        return max(1, min(want, CPU_KV_BYTES_CAP // page_bytes))
+            return max(1, int((free * c.gpu_memory_fraction - GPU_MARGIN_BYTES) // size))
+        kv_pages = c.max_num_seqs * -(-self.max_len // c.page_size)
+        return max(1, min(kv_pages + c.max_loras * self._max_rank_adapter_pages(), CPU_POOL_BYTES_CAP // size))
+
+    def _max_rank_adapter_pages(self) -> int:
+        """Pages of an adapter of rank max_lora_rank on every projection of every layer."""
+        cfg, r = self.model_config, self.config.max_lora_rank
+        row_elems = sum(r * sum(cfg.projection_shape(m)) for m in PROJECTIONS)
+        return -(-row_elems * cfg.num_layers // page_elements(cfg, self.config.page_size))
+
+    def _log_pool(self) -> None:
+        cfg, c, pool = self.model_config, self.config, self.pool
+        mb = page_bytes(cfg, c.page_size, self.dtype) / 2**20
+        log.info("unified pool: %d pages of %.2f MiB (%d KV tokens each); %d KV tokens if no adapter is resident",
+                 pool.num_pages, mb, c.page_size, pool.num_pages * c.page_size)
+        for rank in sorted({8, 16, 64, c.max_lora_rank}):
+            if rank <= c.max_lora_rank:
+                row_elems = sum(rank * sum(cfg.projection_shape(m)) for m in PROJECTIONS) * cfg.num_layers
+                log.info("  a rank-%d adapter on all 7 projections takes about %d pages",
+                         rank, -(-row_elems // pool.page_elems))
 
     # ------------------------------------------------------------- admission
     def validate(self, request: GenerationRequest) -> str | None:
@@ -137,20 +159,22 @@ class Engine:
             raise RequestError(ErrorCode.INVALID_ARG, f"request {rid}: top_p must be in (0, 1], got {p.top_p}")
         if p.seed is not None and not 0 <= p.seed < 2**64:
             raise RequestError(ErrorCode.INVALID_ARG, f"request {rid}: seed must be in [0, 2^64), got {p.seed}")
-        if self.kv.pages_needed(n + p.max_tokens) > self.kv.pool.num_pages:
+        spec = None
+        if request.adapter:
+            try:
+                spec = self.catalogue.resolve(request.adapter)
+            except RequestError as e:
+                raise RequestError(e.code, f"request {rid}: {e.message}") from None
+        need = self.kv.pages_needed(n + p.max_tokens) + (self.adapters.pages(spec) if spec else 0)
+        if need > self.pool.num_pages:
             raise RequestError(ErrorCode.INVALID_ARG,
-                               f"request {rid}: {n + p.max_tokens} tokens need more KV pages than the pool has "
-                               f"({self.kv.pool.num_pages} pages of {self.kv.page_size})")
+                               f"request {rid}: {n + p.max_tokens} tokens and its adapter need {need} pages, more "
+                               f"than the pool's {self.pool.num_pages} pages")
         limit = self.config.max_queue_size
         if limit and len(self.scheduler.waiting) + self._inbox.qsize() >= limit:
             raise RequestError(ErrorCode.UNAVAILABLE,
                                f"request {rid}: queue full ({limit} waiting requests, max_queue_size); retry later")
-        if request.adapter:
-            try:
-                return self.catalogue.resolve(request.adapter).sha256
-            except RequestError as e:
-                raise RequestError(e.code, f"request {rid}: {e.message}") from None
-        return None
+        return spec.sha256 if spec else None
 
     def submit(self, request: GenerationRequest, emit: EmitFn) -> None:
         """Validate and queue a request; raises RequestError (nothing queued) if it is bad."""
@@ -171,19 +195,14 @@ class Engine:
         ]
 
     def stats(self) -> dict:
-        pool = self.kv.pool
         return {
             **self._counters,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting) + self._inbox.qsize(),
-            "kv_pages_total": pool.num_pages,
-            "kv_pages_used": pool.num_used,
             "page_size": self.kv.page_size,
             "preemptions": self.scheduler.num_preemptions,
             "adapters_registered": len(self.catalogue),
-            "adapters_resident": self.adapters.resident(),
-            "adapter_loads": self.adapters.loads,
-            "adapter_evictions": self.adapters.evictions,
+            **self.adapters.stats(),
             "device": self.device,
             "dtype": str(self.dtype).replace("torch.", ""),
             "max_model_len": self.max_len,
@@ -194,6 +213,7 @@ class Engine:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self.adapters.host.shutdown()
 
     # ------------------------------------------------------------------- loop
     def _loop(self) -> None:
@@ -204,10 +224,15 @@ class Engine:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
+            self._prefetch()
             try:
-                self.step()
+                ran = self.step()
             except Exception:  # noqa: BLE001 - the engine must outlive any one bad step
                 log.error("engine step failed:\n%s", traceback.format_exc())
+                ran = True
+            if not ran:  # waiting only on adapter loads
+                self._wake.wait(0.002)
+                self._wake.clear()
         self._fail_all("the server is shutting down")
 
     def _drain_inbox(self) -> None:
@@ -233,19 +258,23 @@ class Engine:
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             self._finish_with_error(seq, RequestError(ErrorCode.UNAVAILABLE, f"request {seq.request_id}: {why}"))
 
-    def step(self) -> None:
-        """One scheduling decision and one forward pass over the chosen tokens."""
-        plan = self.scheduler.schedule()
+    def _prefetch(self) -> None:
+        for i, seq in enumerate(self.scheduler.waiting):
+            if i >= PREFETCH_LOOKAHEAD:
+                break
+            if seq.adapter:
+                self.adapters.prefetch(self.adapters.spec(seq.adapter))
+
+    def step(self) -> bool:
+        """One scheduling decision and one forward pass; False when nothing could run."""
+        plan, failed = self.scheduler.schedule()
+        for seq, error in failed:
+            self._finish_with_error(seq, RequestError(ErrorCode.UNAVAILABLE, f"request {seq.request_id}: {error}"))
         if not plan:
-            return
-        try:
-            lora = self._lora_batch(plan)
-        except AdapterError as e:
-            self._fail_adapter(plan, e)
-            return
+            return bool(failed)
         try:
             batch, sampled = self._step_batch(plan)
-            logits = self.model.forward(batch, self.kv, lora)
+            logits = self.model.forward(batch, self.kv, self._lora_batch(plan))
         except Exception as e:
             for chunk in plan:
                 self._finish_with_error(chunk.sequence, RequestError(
@@ -255,28 +284,18 @@ class Engine:
         for chunk in plan:
             chunk.sequence.num_computed += chunk.num_tokens
         self._sample_and_emit(sampled, logits)
+        return True
 
     def _lora_batch(self, plan: list[ScheduledChunk]) -> LoraBatch | None:
         names = sorted({c.sequence.adapter for c in plan if c.sequence.adapter})
         if not names:
             return None
-        pinned = {s.adapter for s in self.scheduler.running if s.adapter}
-        weights = []
-        for name in names:
-            spec = self.catalogue.get(name)
-            weights.append(self.adapters.get(spec, pinned))
+        resident = [self.adapters.resident(self.adapters.spec(name)) for name in names]
         slot_of = {name: i for i, name in enumerate(names)}
         token_slots: list[int] = []
         for c in plan:
-            token_slots += [slot_of.get(c.sequence.adapter, -1) if c.sequence.adapter else -1] * c.num_tokens
-        return LoraBatch(token_slots, weights, self.device)
-
-    def _fail_adapter(self, plan: list[ScheduledChunk], error: AdapterError) -> None:
-        log.error("%s", error)
-        for c in plan:
-            if c.sequence.adapter == error.adapter:
-                self._finish_with_error(c.sequence, RequestError(
-                    ErrorCode.UNAVAILABLE, f"request {c.sequence.request_id}: {error}"))
+            token_slots += [slot_of[c.sequence.adapter] if c.sequence.adapter else -1] * c.num_tokens
+        return LoraBatch(token_slots, resident, self.pool.storage, self.device)
 
     def _step_batch(self, plan: list[ScheduledChunk]) -> tuple[StepBatch, list[Sequence]]:
         ids: list[int] = []
@@ -290,7 +309,7 @@ class Engine:
             seq = c.sequence
             start = seq.num_computed
             tokens = seq.all_ids[start:start + c.num_tokens]
-            pages = self.kv.pool.pages_of(seq)
+            pages = self.pool.pages.pages_of(seq)
             row0 = len(ids)
             ids += tokens
             positions += range(start, start + c.num_tokens)

@@ -1,31 +1,20 @@
-"""The paged KV cache: one tensor of pages, each holding page_size tokens of every layer."""
+"""The paged KV cache, in the unified pool: token t of a sequence lives in page
+``block_table[t // page_size]`` at slot ``t % page_size``."""
 
 from __future__ import annotations
 
 import torch
 
-from backend.model_config import ModelConfig
-from backend.page_pool import PagePool
-
-
-def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one page: [layers, 2 (k, v), page_size, kv_heads, head_dim]."""
-    elem = torch.tensor([], dtype=dtype).element_size()
-    return cfg.num_layers * 2 * page_size * cfg.num_kv_heads * cfg.head_dim * elem
+from backend.unified_pool import UnifiedPool
 
 
 class PagedKVCache:
-    """KV storage [num_pages, layers, 2, page_size, kv_heads, head_dim] plus its page pool.
+    """Reads and writes keys and values of sequences whose pages the pool hands out."""
 
-    A sequence owns a list of pages (its block table); token position t lives in page
-    ``block_table[t // page_size]`` at slot ``t % page_size``.
-    """
-
-    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: str) -> None:
-        self.page_size = page_size
-        self.pool = PagePool(num_pages)
-        shape = (num_pages, cfg.num_layers, 2, page_size, cfg.num_kv_heads, cfg.head_dim)
-        self.storage = torch.zeros(shape, dtype=dtype, device=device)
+    def __init__(self, pool: UnifiedPool) -> None:
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.storage = pool.kv  # [num_pages, layers, 2, page_size, kv_heads, head_dim]
 
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)

@@ -2,9 +2,12 @@
 
 Every step, running sequences continue (a decode token, or the next prefill chunk), then
 waiting ones join in arrival order while the token budget, the sequence limit, the
-distinct-adapter limit (max_loras) and the free KV pages allow. When a running sequence
-needs a page and none is free, the newest running sequence is preempted: its pages are
-freed and it returns to the front of the queue, to be recomputed later.
+distinct-adapter limit (max_loras) and the pool's pages allow. A waiting request whose
+adapter is still being read from disk is passed over (it keeps its place); one whose
+adapter would exceed max_loras, or does not fit, stops admission so nobody overtakes it.
+Pages come from the unified pool: idle resident adapters are evicted first; when a running
+sequence still needs a page, the newest running sequence is preempted (its pages freed,
+back to the front of the queue, recomputed later).
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from backend.adapter_manager import AdapterManager, Readiness
+from backend.errors import AdapterError
 from backend.kv_cache import PagedKVCache
 from backend.sequence import Sequence, Status
 
@@ -23,8 +28,11 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, kv: PagedKVCache, max_num_seqs: int, max_num_batched_tokens: int, max_loras: int) -> None:
+    def __init__(self, kv: PagedKVCache, adapters: AdapterManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_loras: int) -> None:
         self.kv = kv
+        self.pages = kv.pool.pages
+        self.adapters = adapters
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_loras = max_loras
@@ -45,10 +53,14 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.kv.pool.free(seq)
+        self.pages.free(seq)
         seq.status = Status.FINISHED
 
-    def schedule(self) -> list[ScheduledChunk]:
+    def pinned_adapters(self) -> set[str]:
+        return {s.adapter for s in self.running if s.adapter}
+
+    def schedule(self) -> tuple[list[ScheduledChunk], list[tuple[Sequence, AdapterError]]]:
+        """The next step's chunks, and waiting requests whose adapter failed to load."""
         budget = self.max_num_batched_tokens
         plan: list[ScheduledChunk] = []
         for seq in list(self.running):
@@ -61,42 +73,66 @@ class Scheduler:
                 continue
             plan.append(ScheduledChunk(seq, n))
             budget -= n
-        adapters = {s.adapter for s in self.running if s.adapter}
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.adapter and seq.adapter not in adapters and len(adapters) >= self.max_loras:
-                break  # first come, first served: later requests do not overtake it
-            whole = self.kv.pages_needed(seq.num_tokens() + 1)
-            if not self.kv.pool.can_allocate(whole):
+        failed = self._admit(plan, budget)
+        return plan, failed
+
+    def _admit(self, plan: list[ScheduledChunk], budget: int) -> list[tuple[Sequence, AdapterError]]:
+        failed: list[tuple[Sequence, AdapterError]] = []
+        active = self.pinned_adapters()
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
+            spec = self.adapters.spec(seq.adapter) if seq.adapter else None
+            adapter_pages = 0
+            if spec is not None:
+                try:
+                    ready = self.adapters.readiness(spec)
+                except AdapterError as e:
+                    del self.waiting[i]
+                    failed.append((seq, e))
+                    continue
+                if ready is Readiness.LOADING:
+                    i += 1
+                    continue
+                if seq.adapter not in active and len(active) >= self.max_loras:
+                    break
+                adapter_pages = self.adapters.pages_to_admit(spec)
+            need = self.kv.pages_needed(seq.num_tokens() + 1) + adapter_pages
+            keep = active | ({seq.adapter} if seq.adapter else set())
+            if not self.pages.can_allocate(need) and not self.adapters.make_room(need, keep):
                 break
+            if spec is not None:
+                self.adapters.make_resident(spec)
+                active.add(spec.name)
             n = min(seq.num_tokens() - seq.num_computed, budget)
-            self.waiting.popleft()
-            self.kv.pool.allocate(seq, self.kv.pages_needed(n))
+            del self.waiting[i]
+            self.pages.allocate(seq, self.kv.pages_needed(seq.num_computed + n))
             seq.status = Status.RUNNING
             self.running.append(seq)
-            if seq.adapter:
-                adapters.add(seq.adapter)
             plan.append(ScheduledChunk(seq, n))
             budget -= n
-        return plan
+        return failed
 
     def _reserve(self, seq: Sequence, num_tokens: int, plan: list[ScheduledChunk]) -> bool:
-        """Make seq's pages cover num_tokens, preempting newer sequences if needed."""
-        extra = self.kv.pages_needed(num_tokens) - len(self.kv.pool.pages_of(seq))
-        while extra > 0 and not self.kv.pool.can_allocate(extra):
+        """Make seq's pages cover num_tokens: evict idle adapters, else preempt newer sequences."""
+        extra = self.kv.pages_needed(num_tokens) - len(self.pages.pages_of(seq))
+        if extra <= 0:
+            return True
+        while not self.pages.can_allocate(extra):
+            if self.adapters.make_room(extra, self.pinned_adapters()):
+                break
             planned = {c.sequence for c in plan}
             victims = [s for s in self.running if s is not seq and s not in planned]
             victim = max(victims, key=lambda s: s.arrival) if victims else seq
             self._preempt(victim)
             if victim is seq:
                 return False
-        if extra > 0:
-            self.kv.pool.allocate(seq, extra)
+        self.pages.allocate(seq, extra)
         return True
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.kv.pool.free(seq)
+        self.pages.free(seq)
         seq.num_computed = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)

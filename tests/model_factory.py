@@ -105,3 +105,42 @@ def peft_greedy(base_dir: Path, adapter_dir: Path | None, prompt_ids: list[int],
     if eos_id is not None and eos_id in new:
         new = new[: new.index(eos_id)]
     return new
+
+
+def assert_pool_drained(engine) -> None:
+    """No KV page left behind, page bookkeeping consistent, every idle adapter evictable."""
+    pool = engine.pool
+    pool.pages.check()
+    assert pool.usage()["kv"] == 0, pool.usage()
+    assert engine.adapters.make_room(pool.num_pages, pinned=set())
+    assert pool.pages.num_free == pool.num_pages
+
+
+def write_random_adapter(out: Path, base_dir: Path, *, rank: int, targets: list[str], seed: int,
+                         alpha: float | None = None) -> Path:
+    """A PEFT-format LoRA adapter written directly (fast, for catalogues of thousands)."""
+    from safetensors.torch import save_file
+
+    cfg = json.loads((Path(base_dir) / "config.json").read_text())
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    q_out, kv_out = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    shapes = {"q_proj": (hidden, q_out), "k_proj": (hidden, kv_out), "v_proj": (hidden, kv_out),
+              "o_proj": (q_out, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+              "down_proj": (inter, hidden)}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for module in targets:
+            n_in, n_out = shapes[module]
+            part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=g) * 0.3 / rank ** 0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * 0.3 / rank ** 0.5
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha or 2 * rank,
+        "target_modules": targets, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+        "use_rslora": False, "base_model_name_or_path": str(base_dir), "inference_mode": True}))
+    return out

@@ -151,7 +151,7 @@ def test_cancellation_frees_the_request(engine):
     deadline = time.time() + 5
     while engine.stats()["running"] and time.time() < deadline:
         time.sleep(0.01)
-    assert engine.kv.pool.num_used == 0
+    assert engine.pool.usage()["kv"] == 0
 
 
 def test_emit_failure_does_not_stop_the_engine(engine):

@@ -1,0 +1,88 @@
+"""The adapter tiers together: disk catalogue -> host-memory cache -> GPU pool.
+
+The scheduler asks whether a request's adapter is ready, what admitting it costs in pages,
+to make room by evicting idle adapters, and to make it resident.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+
+from backend.adapter import AdapterSpec
+from backend.adapter_packing import pages_for
+from backend.adapter_pool import AdapterPool, ResidentAdapter
+from backend.catalogue import AdapterCatalogue
+from backend.host_cache import HostAdapterCache
+from backend.unified_pool import UnifiedPool
+
+
+class Readiness(Enum):
+    RESIDENT = "resident"  # in the GPU pool
+    HOST = "host"  # in host memory, one copy away
+    LOADING = "loading"  # being read from disk
+
+
+class AdapterManager:
+    def __init__(self, catalogue: AdapterCatalogue, pool: UnifiedPool, host: HostAdapterCache, device: str) -> None:
+        self.catalogue = catalogue
+        self.pool = pool
+        self.host = host
+        self.gpu = AdapterPool(pool, device)
+        self._pages_cache: dict[tuple[str, str], int] = {}
+
+    def spec(self, name: str) -> AdapterSpec:
+        return self.catalogue.get(name)
+
+    def pages(self, spec: AdapterSpec) -> int:
+        key = (spec.name, spec.sha256)
+        if key not in self._pages_cache:
+            self._pages_cache[key] = pages_for(spec, self.pool.cfg, self.pool.page_elems)
+        return self._pages_cache[key]
+
+    def prefetch(self, spec: AdapterSpec) -> None:
+        if self.gpu.get(spec) is None:
+            self.host.request(spec)
+
+    def readiness(self, spec: AdapterSpec) -> Readiness:
+        """Where the adapter is; raises its AdapterError if it failed to load."""
+        if self.gpu.get(spec) is not None:
+            return Readiness.RESIDENT
+        return Readiness.HOST if self.host.get(spec) is not None else Readiness.LOADING
+
+    def pages_to_admit(self, spec: AdapterSpec) -> int:
+        return 0 if self.gpu.get(spec) is not None else self.pages(spec)
+
+    def make_room(self, num_pages: int, pinned: set[str]) -> bool:
+        return self.gpu.make_room(num_pages, pinned)
+
+    def make_resident(self, spec: AdapterSpec) -> ResidentAdapter:
+        entry = self.gpu.get(spec)
+        if entry is not None:
+            return entry
+        packed = self.host.get(spec)
+        assert packed is not None, f"adapter '{spec.name}' made resident before it was loaded"
+        return self.gpu.upload(packed)
+
+    def resident(self, spec: AdapterSpec) -> ResidentAdapter:
+        entry = self.gpu.get(spec)
+        assert entry is not None, f"adapter '{spec.name}' is not resident"
+        return entry
+
+    def stats(self) -> dict:
+        usage = self.pool.usage()
+        return {
+            "pool_pages_total": self.pool.num_pages,
+            "pool_pages_kv": usage["kv"],
+            "pool_pages_adapters": usage["adapters"],
+            "pool_pages_free": usage["free"],
+            "adapters_resident": self.gpu.resident_names(),
+            "adapter_uploads": self.gpu.uploads,
+            "adapter_evictions": self.gpu.evictions,
+            **self.host.stats(),
+        }
+
+
+def pin_memory_available(device: str) -> bool:
+    return device.startswith("cuda") and torch.cuda.is_available()

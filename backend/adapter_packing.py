@@ -1,0 +1,85 @@
+"""Lay an adapter's A and B out as rank rows in whole pages, ready to copy into the pool.
+
+Order: layer by layer, projection by projection (PROJECTIONS order), A's r rows then B^T's
+r rows; a row that would cross a page boundary starts the next page instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from backend.adapter import AdapterSpec, LoraWeights
+from backend.model_config import PROJECTIONS, ModelConfig
+
+MODULE_INDEX = {m: i for i, m in enumerate(PROJECTIONS)}
+
+
+@dataclass
+class PackedAdapter:
+    """An adapter in pool layout, in host memory.
+
+    ``row_offsets[l, m, 0, k]`` is where row k of A for (layer l, projection m) starts,
+    counted in elements from the start of ``data``; ``[..., 1, k]`` the same for B^T;
+    -1 where k >= the module's rank or the module has no adapter.
+    """
+
+    spec: AdapterSpec
+    data: torch.Tensor  # [num_pages, page_elems], model dtype, host memory
+    row_offsets: torch.Tensor  # int64 [layers, 7, 2, max_rank]
+    ranks: torch.Tensor  # int32 [layers, 7]
+    scalings: torch.Tensor  # float32 [layers, 7]
+
+    @property
+    def num_pages(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+def pages_for(spec: AdapterSpec, cfg: ModelConfig, page_elems: int) -> int:
+    """Pages the adapter takes in the pool (the same packing as pack_adapter)."""
+    return _layout(spec, cfg, page_elems)[0]
+
+
+def _layout(spec: AdapterSpec, cfg: ModelConfig, page_elems: int):
+    rows = []  # (layer, module_index, kind, k, offset)
+    page, cursor = 0, 0
+    for layer in range(cfg.num_layers):
+        for module in PROJECTIONS:
+            r = spec.layer_ranks.get((layer, module), 0)
+            if not r:
+                continue
+            n_in, n_out = cfg.projection_shape(module)
+            for kind, length in ((0, n_in), (1, n_out)):
+                for k in range(r):
+                    if cursor + length > page_elems:
+                        page, cursor = page + 1, 0
+                    rows.append((layer, MODULE_INDEX[module], kind, k, page * page_elems + cursor, length))
+                    cursor += length
+    num_pages = page + 1 if rows else 0
+    return num_pages, rows
+
+
+def pack_adapter(weights: LoraWeights, cfg: ModelConfig, page_elems: int, max_rank: int,
+                 pin_memory: bool = False) -> PackedAdapter:
+    spec = weights.spec
+    num_pages, rows = _layout(spec, cfg, page_elems)
+    dtype = next(iter(weights.weights.values()))[0].dtype
+    data = torch.zeros(num_pages * page_elems, dtype=dtype, pin_memory=pin_memory)
+    offsets = torch.full((cfg.num_layers, len(PROJECTIONS), 2, max_rank), -1, dtype=torch.int64)
+    ranks = torch.zeros((cfg.num_layers, len(PROJECTIONS)), dtype=torch.int32)
+    scalings = torch.zeros((cfg.num_layers, len(PROJECTIONS)), dtype=torch.float32)
+    for (layer, module), (a, _b, scaling) in weights.weights.items():
+        m = MODULE_INDEX[module]
+        ranks[layer, m] = a.shape[0]
+        scalings[layer, m] = scaling
+    mats = {(layer, MODULE_INDEX[module]): (a.cpu(), b.t().cpu()) for (layer, module), (a, b, _) in
+            weights.weights.items()}
+    for layer, m, kind, k, offset, length in rows:
+        data[offset:offset + length] = mats[(layer, m)][kind][k]
+        offsets[layer, m, kind, k] = offset
+    return PackedAdapter(spec, data.view(num_pages, page_elems), offsets, ranks, scalings)

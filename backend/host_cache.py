@@ -1,0 +1,120 @@
+"""The host-memory tier: adapters read from disk, checked and packed, least recently used out.
+
+Loads run on a worker thread, so the engine can prefetch the adapters of queued
+requests while the current step runs. A load that fails is remembered as an error
+for that adapter version and handed to the requests that need it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from backend.adapter import AdapterSpec, load_adapter_weights
+from backend.adapter_packing import PackedAdapter, pack_adapter
+from backend.errors import AdapterError
+from backend.model_config import ModelConfig
+
+log = logging.getLogger("manylora.host_cache")
+
+
+class HostAdapterCache:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, page_elems: int, max_rank: int,
+                 capacity: int | None, pin_memory: bool, workers: int = 2) -> None:
+        self.cfg = cfg
+        self.dtype = dtype
+        self.page_elems = page_elems
+        self.max_rank = max_rank
+        self.capacity = capacity
+        self.pin_memory = pin_memory
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[tuple[str, str], PackedAdapter] = OrderedDict()
+        self._loading: dict[tuple[str, str], Future] = {}
+        self._errors: dict[tuple[str, str], AdapterError] = {}
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="adapter-load")
+        self.hits = 0
+        self.misses = 0
+        self.loads = 0
+        self.evictions = 0
+        self.load_seconds = 0.0
+
+    def request(self, spec: AdapterSpec) -> None:
+        """Start loading the adapter if it is neither cached nor loading (a prefetch)."""
+        key = (spec.name, spec.sha256)
+        with self._lock:
+            if key in self._entries or key in self._loading or key in self._errors:
+                return
+            self.misses += 1
+            self._loading[key] = self._pool.submit(self._load, spec)
+
+    def get(self, spec: AdapterSpec) -> PackedAdapter | None:
+        """The packed adapter if loaded (raises its AdapterError if loading failed); else None."""
+        key = (spec.name, spec.sha256)
+        with self._lock:
+            packed = self._entries.get(key)
+            if packed is not None:
+                self._entries.move_to_end(key)
+                self.hits += 1
+                return packed
+            error = self._errors.get(key)
+        if error is not None:
+            raise error
+        self.request(spec)
+        return None
+
+    def forget_error(self, spec: AdapterSpec) -> None:
+        with self._lock:
+            self._errors.pop((spec.name, spec.sha256), None)
+
+    def wait(self, spec: AdapterSpec, timeout: float | None = None) -> PackedAdapter:
+        """Block until the adapter is loaded (for tools and tests)."""
+        self.request(spec)
+        with self._lock:
+            future = self._loading.get((spec.name, spec.sha256))
+        if future is not None:
+            future.result(timeout)
+        packed = self.get(spec)
+        assert packed is not None
+        return packed
+
+    def _load(self, spec: AdapterSpec) -> None:
+        key = (spec.name, spec.sha256)
+        t0 = time.perf_counter()
+        try:
+            weights = load_adapter_weights(spec, self.cfg, dtype=self.dtype, device="cpu")
+            packed = pack_adapter(weights, self.cfg, self.page_elems, self.max_rank, pin_memory=self.pin_memory)
+        except AdapterError as e:
+            log.error("%s", e)
+            with self._lock:
+                self._errors[key] = e
+                self._loading.pop(key, None)
+            return
+        except Exception as e:  # noqa: BLE001 - any failure is this adapter's, not the server's
+            log.exception("adapter '%s' failed to load", spec.name)
+            with self._lock:
+                self._errors[key] = AdapterError(spec.name, f"failed to load: {e}")
+                self._loading.pop(key, None)
+            return
+        with self._lock:
+            self._entries[key] = packed
+            self._loading.pop(key, None)
+            self.loads += 1
+            self.load_seconds += time.perf_counter() - t0
+            while self.capacity is not None and len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+                self.evictions += 1
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"host_cached": len(self._entries), "host_loading": len(self._loading),
+                    "host_hits": self.hits, "host_misses": self.misses, "host_loads": self.loads,
+                    "host_evictions": self.evictions, "host_load_seconds": round(self.load_seconds, 3),
+                    "host_bytes": sum(p.nbytes for p in self._entries.values())}
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,147 @@
+"""Unified Paging: KV and adapters in one pool, the host tier, thousands of adapters."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from backend.adapter import load_adapter_weights, parse_adapter_spec
+from backend.adapter_packing import pack_adapter, pages_for
+from backend.adapter_pool import AdapterPool
+from backend.config import EngineConfig
+from backend.engine import Engine
+from backend.host_cache import HostAdapterCache
+from backend.model_config import ModelConfig
+from backend.offline import generate
+from backend.page_pool import PagePool, PoolExhausted
+from backend.request import GenerationRequest, SamplingParams
+from backend.unified_pool import UnifiedPool
+from model_factory import assert_pool_drained, make_base, write_random_adapter
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def test_page_pool_random_operations_keep_invariants():
+    rng = random.Random(0)
+    pool = PagePool(64)
+    held: dict[int, int] = {}
+    for step in range(5000):
+        owner = rng.randrange(20)
+        if rng.random() < 0.55:
+            n = rng.randint(1, 8)
+            if pool.can_allocate(n):
+                got = pool.allocate(owner, n)
+                assert len(got) == n
+                held[owner] = held.get(owner, 0) + n
+            else:
+                with pytest.raises(PoolExhausted):
+                    pool.allocate(owner, n)
+        else:
+            assert pool.free(owner) == held.pop(owner, 0)
+        if step % 97 == 0:
+            pool.check()
+        assert pool.num_used == sum(held.values())
+    for owner in list(held):
+        pool.free(owner)
+    pool.check()
+    assert pool.num_free == 64
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return make_base(tmp_path_factory.mktemp("paging") / "base", "llama", seed=8)
+
+
+@pytest.mark.parametrize("rank, targets", [(1, ["q_proj"]), (3, ALL), (8, ["down_proj", "k_proj"])])
+def test_packed_rows_read_back_as_the_adapter(base, tmp_path, rank, targets):
+    """Rows land in non-contiguous pages; gathering them by offset gives A and B^T exactly."""
+    cfg = ModelConfig.from_dir(base)
+    path = write_random_adapter(tmp_path / "a", base, rank=rank, targets=targets, seed=rank)
+    spec = parse_adapter_spec("a", path, cfg, 16)
+    weights = load_adapter_weights(spec, cfg)
+    pool = UnifiedPool(cfg, 64, 16, torch.float32, "cpu")
+    pool.pages.allocate("someone", 5)  # the adapter's pages will not start at 0
+    packed = pack_adapter(weights, cfg, pool.page_elems, 16)
+    assert packed.num_pages == pages_for(spec, cfg, pool.page_elems)
+    entry = AdapterPool(pool, "cpu").upload(packed)
+    for (layer, module), (a, b, scaling) in weights.weights.items():
+        m = ALL.index(module)
+        r = int(entry.ranks[layer, m])
+        assert r == a.shape[0] and entry.scalings[layer, m] == pytest.approx(scaling)
+        a_rows = entry.row_offsets[layer, m, 0, :r]
+        b_rows = entry.row_offsets[layer, m, 1, :r]
+        assert torch.equal(pool.storage[a_rows[:, None] + torch.arange(a.shape[1])], a)
+        assert torch.equal(pool.storage[b_rows[:, None] + torch.arange(b.shape[0])], b.t())
+        assert (entry.row_offsets[layer, m, :, r:] == -1).all()
+    owned = set(pool.pages.pages_of(entry.key))
+    assert owned.isdisjoint(pool.pages.pages_of("someone"))
+
+
+def test_host_cache_evicts_least_recently_used(base, tmp_path):
+    cfg = ModelConfig.from_dir(base)
+    specs = [parse_adapter_spec(f"a{i}", write_random_adapter(tmp_path / f"a{i}", base, rank=2, targets=["q_proj"],
+                                                             seed=i), cfg, 16) for i in range(4)]
+    cache = HostAdapterCache(cfg, torch.float32, 4096, 16, capacity=2, pin_memory=False, workers=1)
+    cache.wait(specs[0])
+    cache.wait(specs[1])
+    cache.get(specs[0])  # a0 is now the most recently used
+    cache.wait(specs[2])  # evicts a1
+    assert cache.get(specs[0]) is not None
+    assert cache.get(specs[1]) is None  # a miss that starts a reload
+    stats = cache.stats()
+    assert stats["host_evictions"] >= 1 and stats["host_cached"] <= 2
+    cache.shutdown()
+
+
+def test_two_thousand_adapters_power_law_small_pool_matches_peft(base, tmp_path):
+    """S-LoRA's workload shape on CPU: 2,000 adapters, alpha=1 popularity, a pool that holds few at once."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    n_adapters, n_requests = 2000, 160
+    rng = random.Random(1)
+    catalogue = {}
+    for i in range(n_adapters):
+        targets = rng.sample(ALL, rng.randint(1, 7))
+        catalogue[f"t{i:04d}"] = str(write_random_adapter(tmp_path / f"t{i:04d}", base, rank=rng.choice([1, 2, 4, 8]),
+                                                          targets=targets, seed=i))
+    np_rng = np.random.default_rng(2)
+    chosen = (np_rng.power(1.0, n_requests) * n_adapters).astype(int)  # S-LoRA's trace.py
+    requests = []
+    for i, a in enumerate(chosen):
+        prompt = [0] + [rng.randrange(2, 290) for _ in range(rng.randint(1, 12))]
+        adapter = None if i % 10 == 0 else f"t{a:04d}"
+        requests.append(GenerationRequest(f"r{i}", prompt, adapter, SamplingParams(max_tokens=6)))
+    engine = Engine(EngineConfig(model_dir=str(base), adapters=catalogue, max_lora_rank=8, max_loras=4,
+                                 max_cpu_loras=16, num_kv_pages=48, page_size=16, max_num_seqs=16))
+    try:
+        assert len(engine.catalogue) == n_adapters
+        results = generate(engine, requests, timeout=600)
+        stats = engine.stats()
+        assert_pool_drained(engine)
+    finally:
+        engine.shutdown()
+    assert stats["adapter_evictions"] > 0 and stats["host_evictions"] > 0, stats
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    used = sorted({r.adapter for r in requests if r.adapter})
+    peft_model = PeftModel.from_pretrained(model, catalogue[used[0]], adapter_name=used[0])
+    for name in used[1:]:
+        peft_model.load_adapter(catalogue[name], adapter_name=name)
+    for req, res in zip(requests, results, strict=True):
+        assert res.error is None, res.error
+        with torch.no_grad():
+            if req.adapter:
+                peft_model.set_adapter(req.adapter)
+                out = peft_model.generate(torch.tensor([req.prompt_ids]), max_new_tokens=6, do_sample=False,
+                                          eos_token_id=1, pad_token_id=1)
+            else:
+                with peft_model.disable_adapter():
+                    out = peft_model.generate(torch.tensor([req.prompt_ids]), max_new_tokens=6, do_sample=False,
+                                              eos_token_id=1, pad_token_id=1)
+        expected = out[0, len(req.prompt_ids):].tolist()
+        expected = expected[: expected.index(1)] if 1 in expected else expected
+        assert res.token_ids == expected, f"{req.request_id} adapter={req.adapter}"
