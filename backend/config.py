@@ -25,6 +25,8 @@ class EngineConfig:
         num_kv_pages: pages in the pool; None: sized from free memory.
         gpu_memory_fraction: share of free device memory the pool may take.
         max_queue_size: waiting requests beyond which new ones are refused (0: no limit).
+        kernels: "auto" (Triton kernels for LoRA and decode attention on CUDA, torch on
+            the CPU), "triton" or "torch".
     """
 
     model_dir: str
@@ -41,6 +43,7 @@ class EngineConfig:
     num_kv_pages: int | None = None
     gpu_memory_fraction: float = 0.85
     max_queue_size: int = 0
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         positive = ("max_lora_rank", "max_loras", "max_num_seqs", "max_num_batched_tokens", "page_size")

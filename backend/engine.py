@@ -33,7 +33,7 @@ from backend.request import EmitFn, GenerationOutput, GenerationRequest
 from backend.sampling import make_generator, sample_next
 from backend.scheduler import ScheduledChunk, Scheduler
 from backend.sequence import Sequence
-from backend.step_batch import SequenceSlice, StepBatch
+from backend.step_batch import DecodeRows, SequenceSlice, StepBatch
 from backend.unified_pool import UnifiedPool, page_bytes, page_elements
 
 log = logging.getLogger("manylora.engine")
@@ -49,6 +49,13 @@ def resolve_device(name: str) -> str:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device '{name}' asked for, but torch sees no CUDA device")
     return name
+
+
+def resolve_kernels(name: str, device: str) -> bool:
+    """Whether LoRA and decode attention run as Triton kernels ("auto": on CUDA only)."""
+    if name not in ("auto", "triton", "torch"):
+        raise ValueError(f"kernels '{name}' not supported; choose auto, triton or torch")
+    return name == "triton" or (name == "auto" and device.startswith("cuda"))
 
 
 def eos_token_ids(model_dir: str, cfg: ModelConfig) -> frozenset[int]:
@@ -73,6 +80,7 @@ class Engine:
         self.model_config = ModelConfig.from_dir(config.model_dir)
         cfg = self.model_config
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.use_kernels = resolve_kernels(config.kernels, self.device)
         self.max_len = config.max_model_len or cfg.max_position_embeddings
         self.tokenizer = load_tokenizer(config.model_dir)
         self.eos_ids = eos_token_ids(config.model_dir, cfg)
@@ -295,38 +303,56 @@ class Engine:
         token_slots: list[int] = []
         for c in plan:
             token_slots += [slot_of[c.sequence.adapter] if c.sequence.adapter else -1] * c.num_tokens
-        return LoraBatch(token_slots, resident, self.pool.storage, self.device)
+        return LoraBatch(token_slots, resident, self.pool.storage, self.device, use_kernels=self.use_kernels)
 
     def _step_batch(self, plan: list[ScheduledChunk]) -> tuple[StepBatch, list[Sequence]]:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         slices: list[SequenceSlice] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
         logits_rows: list[int] = []
         sampled: list[Sequence] = []
         page_size = self.kv.page_size
+        window = self.model_config.sliding_window
+        dev = self.device
         for c in plan:
             seq = c.sequence
             start = seq.num_computed
-            tokens = seq.all_ids[start:start + c.num_tokens]
-            pages = self.pool.pages.pages_of(seq)
+            end = start + c.num_tokens
+            pages = self.pool.pages.pages_of(seq)[: self.kv.pages_needed(end)]
             row0 = len(ids)
-            ids += tokens
-            positions += range(start, start + c.num_tokens)
-            slots += [pages[p // page_size] * page_size + p % page_size for p in range(start, start + c.num_tokens)]
-            table = torch.tensor(pages[: self.kv.pages_needed(start + c.num_tokens)], dtype=torch.int64,
-                                 device=self.device)
-            slices.append(SequenceSlice(row0, c.num_tokens, start + c.num_tokens, table))
-            if start + c.num_tokens == seq.num_tokens():
+            ids += seq.all_ids[start:end]
+            positions += range(start, end)
+            slots += [pages[p // page_size] * page_size + p % page_size for p in range(start, end)]
+            if self.use_kernels and c.num_tokens == 1 and not (window and end > window):
+                decode_rows.append(row0)
+                decode_tables.append(pages)
+                decode_lens.append(end)
+            else:
+                table = torch.tensor(pages, dtype=torch.int64, device=dev)
+                slices.append(SequenceSlice(row0, c.num_tokens, end, table))
+            if end == seq.num_tokens():
                 logits_rows.append(len(ids) - 1)
                 sampled.append(seq)
-        dev = self.device
+        decode = None
+        if decode_rows:
+            width = max(len(t) for t in decode_tables)
+            decode = DecodeRows(
+                rows=torch.tensor(decode_rows, dtype=torch.int64, device=dev),
+                block_tables=torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int32,
+                                          device=dev),
+                seq_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
+            )
         batch = StepBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
             kv_slots=torch.tensor(slots, dtype=torch.int64, device=dev),
             sequences=slices,
             logits_rows=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+            decode=decode,
         )
         self._counters["tokens_in"] += len(ids)
         return batch, sampled

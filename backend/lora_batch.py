@@ -1,8 +1,10 @@
-"""Applies each token's adapter to a projection: out += scaling * (x @ A^T) @ B^T.
+"""Applies each token's adapter to projections: out += scaling * (x @ A^T) @ B^T.
 
-Adapter weights are read where they lie in the unified pool, through per-step tables
-of rank-row offsets ([layer, projection, A|B, slot, rank]). The torch path below gathers
-the rows it needs and is the reference the Triton kernels (kernels/) are checked against.
+Adapter weights are read where they lie in the unified pool, through per-step tables of
+rank-row offsets ([layer, projection, A|B, slot, rank]). Projections that share an input
+(q/k/v, gate/up) go in one call, their outputs side by side in ``out``. Two paths:
+"torch" gathers the rows it needs (the CPU path, and the reference); "triton" launches the
+shrink/expand kernels of kernels/, which read the rows in place.
 """
 
 from __future__ import annotations
@@ -12,27 +14,65 @@ import torch
 from backend.adapter_packing import MODULE_INDEX
 from backend.adapter_pool import ResidentAdapter
 
+# Tokens per step above which the segmented (SGMV) kernels beat one program per token.
+SEGMENTED_MIN_TOKENS = 64
+
 
 class LoraBatch:
     """Which adapter slot serves each token of a step (-1: none), and the slots' tables."""
 
-    def __init__(self, token_slots: list[int], adapters: list[ResidentAdapter], pool: torch.Tensor,
-                 device: str) -> None:
+    def __init__(self, token_slots: list[int], adapters: list[ResidentAdapter], pool: torch.Tensor, device: str,
+                 use_kernels: bool = False) -> None:
         self.adapters = adapters
         self.pool = pool
+        self.use_kernels = use_kernels
         self.token_slots = torch.tensor(token_slots, dtype=torch.int32, device=device)
         # [layers, 7, 2, S, R], [layers, 7, S], [layers, 7, S]
         self.row_offsets = torch.stack([a.row_offsets for a in adapters], dim=3).contiguous()
         self.ranks = torch.stack([a.ranks for a in adapters], dim=2).contiguous()
         self.scalings = torch.stack([a.scalings for a in adapters], dim=2).contiguous()
-        self._ranks_host = self.ranks.cpu()
-        self._scalings_host = self.scalings.cpu()
-        self._rows = [torch.tensor([i for i, s in enumerate(token_slots) if s == slot], dtype=torch.int64,
-                                   device=device) for slot in range(len(adapters))]
+        self.max_rank = self.row_offsets.shape[-1]
+        self.segments = None
+        if use_kernels:
+            if len(token_slots) >= SEGMENTED_MIN_TOKENS:
+                from kernels.lora_meta import build_segments
 
-    def apply(self, x: torch.Tensor, out: torch.Tensor, layer: int, module: str) -> None:
-        """Add each row's LoRA delta into out [T, out_features] (in place); x is [T, in_features]."""
-        m = MODULE_INDEX[module]
+                self.segments = build_segments(torch.tensor(token_slots, dtype=torch.int32), device=device)
+        else:
+            self._ranks_host = self.ranks.cpu()
+            self._scalings_host = self.scalings.cpu()
+            self._rows = [torch.tensor([i for i, s in enumerate(token_slots) if s == slot], dtype=torch.int64,
+                                       device=device) for slot in range(len(adapters))]
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor, layer: int, modules: tuple[str, ...],
+              widths: tuple[int, ...]) -> None:
+        """Add the LoRA deltas of ``modules`` (consecutive projections sharing input x [T, in]) into
+        out [T, sum(widths)], module i owning columns [sum(widths[:i]), sum(widths[:i+1]))."""
+        first = MODULE_INDEX[modules[0]]
+        if self.use_kernels:
+            self._apply_kernels(x, out, layer, first, len(modules), widths)
+        else:
+            col = 0
+            for i, width in enumerate(widths):
+                self._apply_torch(x, out[:, col:col + width], layer, first + i)
+                col += width
+
+    def _apply_kernels(self, x: torch.Tensor, out: torch.Tensor, layer: int, first: int, n: int,
+                       widths: tuple[int, ...]) -> None:
+        from kernels.lora_expand import lora_expand
+        from kernels.lora_shrink import lora_shrink
+
+        mods = slice(first, first + n)
+        y = torch.empty((n, x.shape[0], self.max_rank), dtype=torch.float32, device=x.device)
+        lora_shrink(x, self.pool, self.row_offsets[layer, mods, 0], self.ranks[layer, mods], self.token_slots, y,
+                    segments=self.segments)
+        bounds = [0]
+        for w in widths:
+            bounds.append(bounds[-1] + w)
+        lora_expand(y, self.pool, self.row_offsets[layer, mods, 1], self.ranks[layer, mods],
+                    self.scalings[layer, mods], self.token_slots, out, bounds, segments=self.segments)
+
+    def _apply_torch(self, x: torch.Tensor, out: torch.Tensor, layer: int, m: int) -> None:
         n_in, n_out = x.shape[1], out.shape[1]
         for slot in range(len(self.adapters)):
             r = int(self._ranks_host[layer, m, slot])

@@ -18,11 +18,21 @@ class SequenceSlice:
 
 
 @dataclass
+class DecodeRows:
+    """Rows that are one new token of a sequence, attended in one paged-attention launch."""
+
+    rows: torch.Tensor  # int64 [B]: batch rows
+    block_tables: torch.Tensor  # int32 [B, max_blocks]
+    seq_lens: torch.Tensor  # int32 [B]: context length including the new token
+
+
+@dataclass
 class StepBatch:
     """Flat token batch: T tokens from several sequences, prefill chunks and decodes mixed."""
 
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
     kv_slots: torch.Tensor  # int64 [T]: page * page_size + offset where each token's k, v go
-    sequences: list[SequenceSlice]
+    sequences: list[SequenceSlice]  # attended one by one (prefill chunks; every sequence on the torch path)
     logits_rows: torch.Tensor  # int64 [n]: rows whose next-token logits are wanted
+    decode: DecodeRows | None = None  # attended by the kernel (kernel path only)

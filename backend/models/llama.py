@@ -17,15 +17,24 @@ from backend.loader import load_state_dict
 from backend.lora_batch import LoraBatch
 from backend.model_config import ModelConfig
 from backend.rope import RotaryEmbedding
-from backend.step_batch import StepBatch
+from backend.step_batch import DecodeRows, StepBatch
+
+QKV = ("q_proj", "k_proj", "v_proj")
+GATE_UP = ("gate_proj", "up_proj")
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor
-    proj: dict[str, torch.Tensor]  # q_proj .. down_proj: [out, in]
-    bias: dict[str, torch.Tensor]  # present only where the checkpoint has biases
+    qkv: torch.Tensor  # [q_out + 2 * kv_out, hidden]: q_proj, k_proj, v_proj stacked
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate_proj, up_proj stacked
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
 
@@ -82,27 +91,37 @@ class LlamaModel:
         return cls(cfg, tensors, max_len, device, dtype)
 
     def _layer(self, t: dict[str, torch.Tensor], i: int) -> LayerWeights:
+        """Take layer i's tensors out of t, stacking projections that share an input."""
         p = f"model.layers.{i}."
-        proj, bias = {}, {}
-        for m in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
-            prefix = f"{p}self_attn.{m}" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else f"{p}mlp.{m}"
-            proj[m] = t[prefix + ".weight"]
-            if prefix + ".bias" in t:
-                bias[m] = t[prefix + ".bias"]
+
+        def take(name: str) -> torch.Tensor | None:
+            return t.pop(name, None)
+
+        def stacked(prefix: str, modules: tuple[str, ...], part: str) -> torch.Tensor | None:
+            parts = [take(f"{prefix}{m}.{part}") for m in modules]
+            return None if parts[0] is None else torch.cat(parts, dim=0)
+
+        attn, mlp = p + "self_attn.", p + "mlp."
         return LayerWeights(
-            input_norm=t[p + "input_layernorm.weight"],
-            post_attention_norm=t[p + "post_attention_layernorm.weight"],
-            proj=proj,
-            bias=bias,
-            q_norm=t.get(p + "self_attn.q_norm.weight"),
-            k_norm=t.get(p + "self_attn.k_norm.weight"),
+            input_norm=take(p + "input_layernorm.weight"),
+            post_attention_norm=take(p + "post_attention_layernorm.weight"),
+            qkv=stacked(attn, QKV, "weight"),
+            qkv_bias=stacked(attn, QKV, "bias"),
+            o=take(attn + "o_proj.weight"),
+            o_bias=take(attn + "o_proj.bias"),
+            gate_up=stacked(mlp, GATE_UP, "weight"),
+            gate_up_bias=stacked(mlp, GATE_UP, "bias"),
+            down=take(mlp + "down_proj.weight"),
+            down_bias=take(mlp + "down_proj.bias"),
+            q_norm=take(attn + "q_norm.weight"),
+            k_norm=take(attn + "k_norm.weight"),
         )
 
     def weight_bytes(self) -> int:
         seen, total = set(), 0
         tensors = [self.embed, self.lm_head, self.final_norm]
-        for layer in self.layers:
-            tensors += [layer.input_norm, layer.post_attention_norm, *layer.proj.values(), *layer.bias.values()]
+        for w in self.layers:
+            tensors += [w.input_norm, w.post_attention_norm, w.qkv, w.o, w.gate_up, w.down]
         for t in tensors:
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
@@ -110,13 +129,6 @@ class LlamaModel:
         return total
 
     # ------------------------------------------------------------------ forward
-    def _linear(self, x: torch.Tensor, layer: int, module: str, lora: LoraBatch | None) -> torch.Tensor:
-        w = self.layers[layer]
-        out = F.linear(x, w.proj[module], w.bias.get(module))
-        if lora is not None:
-            lora.apply(x, out, layer, module)
-        return out
-
     @torch.inference_mode()
     def forward(self, batch: StepBatch, kv: PagedKVCache, lora: LoraBatch | None) -> torch.Tensor:
         """Run the step; returns float32 logits [len(batch.logits_rows), vocab]."""
@@ -126,9 +138,15 @@ class LlamaModel:
             x = rms_norm(h, w.input_norm, cfg.rms_norm_eps)
             h = h + self._attention(x, i, w, batch, kv, lora)
             x = rms_norm(h, w.post_attention_norm, cfg.rms_norm_eps)
-            gate = self._linear(x, i, "gate_proj", lora)
-            up = self._linear(x, i, "up_proj", lora)
-            h = h + self._linear(F.silu(gate) * up, i, "down_proj", lora)
+            gate_up = F.linear(x, w.gate_up, w.gate_up_bias)
+            if lora is not None:
+                lora.apply(x, gate_up, i, GATE_UP, (cfg.intermediate_size,) * 2)
+            gate, up = gate_up.split(cfg.intermediate_size, dim=-1)
+            act = F.silu(gate) * up
+            down = F.linear(act, w.down, w.down_bias)
+            if lora is not None:
+                lora.apply(act, down, i, ("down_proj",), (cfg.hidden_size,))
+            h = h + down
         h = rms_norm(h.index_select(0, batch.logits_rows), self.final_norm, cfg.rms_norm_eps)
         return F.linear(h, self.lm_head).float()
 
@@ -136,9 +154,14 @@ class LlamaModel:
                    lora: LoraBatch | None) -> torch.Tensor:
         cfg = self.cfg
         T = x.shape[0]
-        q = self._linear(x, i, "q_proj", lora).view(T, cfg.num_heads, cfg.head_dim)
-        k = self._linear(x, i, "k_proj", lora).view(T, cfg.num_kv_heads, cfg.head_dim)
-        v = self._linear(x, i, "v_proj", lora).view(T, cfg.num_kv_heads, cfg.head_dim)
+        q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        qkv = F.linear(x, w.qkv, w.qkv_bias)
+        if lora is not None:
+            lora.apply(x, qkv, i, QKV, (q_out, kv_out, kv_out))
+        q, k, v = qkv.split((q_out, kv_out, kv_out), dim=-1)
+        q = q.reshape(T, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
         if w.q_norm is not None:
             q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
@@ -146,11 +169,29 @@ class LlamaModel:
         k = self.rope.apply(k, batch.positions)
         kv.write(i, batch.kv_slots, k, v)
         out = torch.empty_like(q)
+        if batch.decode is not None:
+            self._decode_attention(q, out, i, batch.decode, kv)
         for seq in batch.sequences:
-            out[seq.start:seq.start + seq.length] = self._sequence_attention(
-                q[seq.start:seq.start + seq.length], batch.positions[seq.start:seq.start + seq.length],
-                *kv.read(i, seq.block_table, seq.context_len))
-        return self._linear(out.view(T, -1), i, "o_proj", lora)
+            rows = slice(seq.start, seq.start + seq.length)
+            out[rows] = self._sequence_attention(q[rows], batch.positions[rows],
+                                                 *kv.read(i, seq.block_table, seq.context_len))
+        attn = out.view(T, q_out)
+        o = F.linear(attn, w.o, w.o_bias)
+        if lora is not None:
+            lora.apply(attn, o, i, ("o_proj",), (cfg.hidden_size,))
+        return o
+
+    def _decode_attention(self, q: torch.Tensor, out: torch.Tensor, layer: int, decode: DecodeRows,
+                          kv: PagedKVCache) -> None:
+        """One new token per sequence, all in one paged-attention kernel launch."""
+        from kernels.paged_attention import paged_decode_attention
+
+        rows = decode.rows
+        result = torch.empty((rows.numel(), self.cfg.num_heads, self.cfg.head_dim), dtype=q.dtype, device=q.device)
+        paged_decode_attention(q.index_select(0, rows), kv.pool.storage, decode.block_tables, decode.seq_lens,
+                               self.scale, result, layer=layer, num_layers=self.cfg.num_layers,
+                               page_size=kv.page_size, num_kv_heads=self.cfg.num_kv_heads)
+        out.index_copy_(0, rows, result)
 
     def _sequence_attention(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor,
                             v: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,348 @@
+"""LoRA expand: add scaling * (y @ B^T) into the base layer's output, paged adapter rows.
+
+``y`` is the fp32 output of ``lora_shrink``. B [out, r] is stored transposed as r rank rows of
+length ``out`` each (row k = B[:, k]), contiguous in the flat ``pool`` at
+``b_row_offsets[slice, s, k]``. Slice i (q/k/v, gate/up, ...) adds into the columns
+``slice_offsets[i] : slice_offsets[i + 1]`` of ``base_out``.
+
+Two launch forms, like ``lora_shrink``: BGMV (one program per token, decode) and SGMV (tokens
+grouped by slot into segments, tl.dot tiles, prefill).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.lora_meta import FLOAT_DTYPES, SegmentMeta, check_segments, check_shape, check_tensor
+
+__all__ = ["lora_expand", "expand_config"]
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _lora_expand_bgmv_kernel(
+    # pointers
+    y_ptr,  # fp32 [NS, T, R_MAX]
+    pool_ptr,  # flat pool
+    b_row_offsets_ptr,  # int64 [NS, S, R_MAX]
+    ranks_ptr,  # int32 [NS, S]
+    scalings_ptr,  # fp32 [NS, S]
+    token_slots_ptr,  # int32 [T]
+    slice_offsets_ptr,  # int32 [NS + 1]
+    out_ptr,  # [T, N_TOTAL], modified in place
+    # sizes
+    num_tokens,
+    # strides
+    stride_ys,
+    stride_ym,
+    stride_yr,
+    stride_bs,
+    stride_bslot,
+    stride_br,
+    stride_rs,
+    stride_rslot,
+    stride_ss,
+    stride_sslot,
+    stride_om,
+    stride_on,
+    # meta-parameters
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slice_id = tl.program_id(2)
+    if pid_m >= num_tokens:
+        return
+    slot = tl.load(token_slots_ptr + pid_m)
+    if slot < 0:
+        return  # base-only token: its output row stays untouched
+    n_start = tl.load(slice_offsets_ptr + slice_id)
+    n_size = tl.load(slice_offsets_ptr + slice_id + 1) - n_start
+    if pid_n * BLOCK_N >= n_size:
+        return  # this slice is narrower than the widest one
+    token = pid_m.to(tl.int64)
+    slot = slot.to(tl.int64)
+    rank = tl.load(ranks_ptr + slice_id * stride_rs + slot * stride_rslot)
+    scaling = tl.load(scalings_ptr + slice_id * stride_ss + slot * stride_sslot)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_size
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < rank
+        y = tl.load(y_ptr + slice_id * stride_ys + token * stride_ym + offs_r * stride_yr, mask=r_mask, other=0.0)
+        row_offs = tl.load(
+            b_row_offsets_ptr + slice_id * stride_bs + slot * stride_bslot + offs_r * stride_br,
+            mask=r_mask,
+            other=0,
+        ).to(tl.int64)
+        b = tl.load(
+            pool_ptr + row_offs[:, None] + offs_n[None, :],
+            mask=r_mask[:, None] & n_mask[None, :],
+            other=0.0,
+        )
+        acc += tl.sum(y.to(tl.float32)[:, None] * b.to(tl.float32), axis=0)
+
+    out_ptrs = out_ptr + token * stride_om + (n_start + offs_n).to(tl.int64) * stride_on
+    base = tl.load(out_ptrs, mask=n_mask, other=0.0)
+    tl.store(out_ptrs, (base.to(tl.float32) + scaling * acc).to(base.dtype), mask=n_mask)
+
+
+@triton.jit(do_not_specialize=["num_segments"])
+def _lora_expand_sgmv_kernel(
+    # pointers
+    y_ptr,  # fp32 [NS, T, R_MAX]
+    pool_ptr,  # flat pool
+    b_row_offsets_ptr,  # int64 [NS, S, R_MAX]
+    ranks_ptr,  # int32 [NS, S]
+    scalings_ptr,  # fp32 [NS, S]
+    token_order_ptr,  # int32 [N]: token indices sorted by slot
+    seg_starts_ptr,  # int32 [num_segments + 1]
+    seg_slots_ptr,  # int32 [num_segments]
+    slice_offsets_ptr,  # int32 [NS + 1]
+    out_ptr,  # [T, N_TOTAL], modified in place
+    # sizes
+    num_segments,
+    # strides
+    stride_ys,
+    stride_ym,
+    stride_yr,
+    stride_bs,
+    stride_bslot,
+    stride_br,
+    stride_rs,
+    stride_rslot,
+    stride_ss,
+    stride_sslot,
+    stride_om,
+    stride_on,
+    # meta-parameters
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_N_BLOCKS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_seg = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    slice_id = tl.program_id(2) // NUM_N_BLOCKS
+    pid_n = tl.program_id(2) % NUM_N_BLOCKS
+    if pid_seg >= num_segments:
+        return
+    slot = tl.load(seg_slots_ptr + pid_seg)
+    if slot < 0:
+        return
+    seg_end = tl.load(seg_starts_ptr + pid_seg + 1)
+    row_start = tl.load(seg_starts_ptr + pid_seg) + pid_m * BLOCK_M
+    if row_start >= seg_end:
+        return  # this segment is shorter than the longest one
+    n_start = tl.load(slice_offsets_ptr + slice_id)
+    n_size = tl.load(slice_offsets_ptr + slice_id + 1) - n_start
+    if pid_n * BLOCK_N >= n_size:
+        return  # this slice is narrower than the widest one
+    slot = slot.to(tl.int64)
+    rank = tl.load(ranks_ptr + slice_id * stride_rs + slot * stride_rslot)
+    scaling = tl.load(scalings_ptr + slice_id * stride_ss + slot * stride_sslot)
+
+    offs_m = row_start + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seg_end
+    tokens = tl.load(token_order_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_size
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < rank
+        y = tl.load(
+            y_ptr + slice_id * stride_ys + tokens[:, None] * stride_ym + offs_r[None, :] * stride_yr,
+            mask=m_mask[:, None] & r_mask[None, :],
+            other=0.0,
+        )
+        row_offs = tl.load(
+            b_row_offsets_ptr + slice_id * stride_bs + slot * stride_bslot + offs_r * stride_br,
+            mask=r_mask,
+            other=0,
+        ).to(tl.int64)
+        b = tl.load(
+            pool_ptr + row_offs[:, None] + offs_n[None, :],
+            mask=r_mask[:, None] & n_mask[None, :],
+            other=0.0,
+        )
+        # fp32 pool: exact fp32 dot; 16-bit pool: y rounded to the pool dtype, fp32 accumulation
+        acc += tl.dot(y.to(b.dtype), b, input_precision=DOT_PRECISION)
+
+    out_ptrs = out_ptr + tokens[:, None] * stride_om + (n_start + offs_n).to(tl.int64)[None, :] * stride_on
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    base = tl.load(out_ptrs, mask=out_mask, other=0.0)
+    tl.store(out_ptrs, (base.to(tl.float32) + scaling * acc).to(base.dtype), mask=out_mask)
+
+
+def expand_config(
+    num_tokens: int, max_out: int, max_rank: int, segmented: bool, max_seg_len: int = 0
+) -> dict[str, int]:
+    """Block sizes for ``lora_expand`` (a plain heuristic; tl.dot tiles stay >= 16)."""
+    block_n = min(256, max(16, triton.next_power_of_2(max_out)))
+    if not segmented:
+        return {"BLOCK_R": min(32, triton.next_power_of_2(max_rank)), "BLOCK_N": block_n, "num_warps": 4}
+    block_m = 16 if max_seg_len <= 16 else (32 if max_seg_len <= 32 else 64)
+    return {"BLOCK_M": block_m, "BLOCK_R": 16, "BLOCK_N": min(block_n, 128 if block_m < 64 else 64), "num_warps": 4}
+
+
+_BOUNDS_CACHE: dict[tuple, torch.Tensor] = {}
+
+
+def _slice_bounds(
+    slice_offsets: Sequence[int] | torch.Tensor, num_slices: int, total_cols: int, device: torch.device
+) -> tuple[torch.Tensor, int]:
+    """Device int32 [num_slices + 1] slice boundaries and the widest slice (host int)."""
+    if isinstance(slice_offsets, torch.Tensor):
+        check_tensor("slice_offsets", slice_offsets, dtype=(torch.int32, torch.int64), dims=1)
+        bounds = [int(v) for v in slice_offsets.tolist()]  # host read: pass a list to avoid a sync
+    else:
+        bounds = [int(v) for v in slice_offsets]
+    if len(bounds) == num_slices:
+        bounds.append(total_cols)
+    if len(bounds) != num_slices + 1:
+        raise ValueError(
+            f"slice_offsets must hold num_slices + 1 = {num_slices + 1} boundaries (or num_slices starts), "
+            f"got {len(bounds)}"
+        )
+    if bounds[0] < 0 or bounds[-1] > total_cols or any(b > e for b, e in zip(bounds, bounds[1:], strict=False)):
+        raise ValueError(f"slice_offsets {bounds} must be non-decreasing within [0, {total_cols}] (base_out columns)")
+    widest = max(e - b for b, e in zip(bounds, bounds[1:], strict=False))
+    if (
+        isinstance(slice_offsets, torch.Tensor)
+        and slice_offsets.device == device
+        and slice_offsets.dtype == torch.int32
+        and slice_offsets.numel() == num_slices + 1
+    ):
+        return slice_offsets.contiguous(), widest
+    key = (tuple(bounds), device)
+    cached = _BOUNDS_CACHE.get(key)
+    if cached is None:  # a host-to-device copy: done once per distinct layout
+        if len(_BOUNDS_CACHE) >= 256:
+            _BOUNDS_CACHE.clear()
+        cached = _BOUNDS_CACHE[key] = torch.tensor(bounds, dtype=torch.int32, device=device)
+    return cached, widest
+
+
+def lora_expand(
+    y: torch.Tensor,
+    pool: torch.Tensor,
+    b_row_offsets: torch.Tensor,
+    ranks: torch.Tensor,
+    scalings: torch.Tensor,
+    token_slots: torch.Tensor,
+    base_out: torch.Tensor,
+    slice_offsets: Sequence[int] | torch.Tensor | None = None,
+    *,
+    segments: SegmentMeta | None = None,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """LoRA expand over paged adapter rows, added in place into the base output (BGMV or SGMV).
+
+    Semantics::
+
+        for i in range(num_slices):
+            lo, hi = slice_offsets[i], slice_offsets[i + 1]
+            for t in range(T):
+                s = token_slots[t]
+                if s < 0:
+                    continue                                   # base_out[t] untouched
+                r = ranks[i, s]
+                Bt = stack([pool[b_row_offsets[i, s, k] : b_row_offsets[i, s, k] + (hi - lo)]
+                            for k in range(r)])                # [r, hi - lo] = B^T
+                base_out[t, lo:hi] += scalings[i, s] * (y[i, t, :r].float() @ Bt.float())
+
+    Accumulation is fp32; each output element is read, added to and written once (cast to the
+    dtype of ``base_out`` once). Only y[i, t, :rank] is read, so y's columns past the rank and
+    rows of slot -1 tokens may hold anything. The rank loop stops at each slot's rank.
+
+    Args:
+        y: float32 [num_slices, T, R_max] (or [T, R_max] for one slice): shrink output. Any strides.
+        pool: [P], 1-D contiguous flat pool (fp16/bf16/fp32) holding the adapter rows.
+        b_row_offsets: int64 [num_slices, S, R_max] (or [S, R_max]): pool element offset of rank
+            row k of B^T (= B[:, k], length = the slice's width) for slot s; k >= rank: not read.
+        ranks: int32 [num_slices, S] (or [S]): rank of each slot, 1..R_max.
+        scalings: float32 [num_slices, S] (or [S]): scaling (alpha / r) of each slot.
+        token_slots: int32 [T]: slot of each token, -1 = no adapter.
+        base_out: [T, sum(widths)], fp16/bf16/fp32, any strides. Modified in place.
+        slice_offsets: column boundaries, ``num_slices + 1`` ints (slice i covers
+            [slice_offsets[i], slice_offsets[i+1])), or ``num_slices`` starts (the last slice
+            ends at base_out.shape[1]). A list is preferred: a tensor is read back to the host.
+            Default: one slice covering all columns.
+        segments: optional SegmentMeta built from this ``token_slots``: use the SGMV form.
+        config: optional block-size override (keys as returned by ``expand_config``).
+
+    Returns:
+        ``base_out``.
+    """
+    check_tensor("y", y, dtype=torch.float32, dims=(2, 3))
+    device = y.device
+    single = y.dim() == 2
+    y3 = y.unsqueeze(0) if single else y
+    num_slices, num_tokens, max_rank = y3.shape
+    check_tensor("pool", pool, dtype=FLOAT_DTYPES, dims=1, device=device)
+    if not pool.is_contiguous():
+        raise ValueError("pool must be contiguous")
+    dims = 2 if single else 3
+    check_tensor("b_row_offsets", b_row_offsets, dtype=torch.int64, dims=dims, device=device)
+    b3 = b_row_offsets.unsqueeze(0) if single else b_row_offsets
+    num_slots = b3.shape[1]
+    check_shape("b_row_offsets", b3, (num_slices, num_slots, max_rank))
+    check_tensor("ranks", ranks, dtype=torch.int32, dims=dims - 1, device=device)
+    check_tensor("scalings", scalings, dtype=torch.float32, dims=dims - 1, device=device)
+    ranks3 = ranks.unsqueeze(0) if single else ranks
+    scalings3 = scalings.unsqueeze(0) if single else scalings
+    check_shape("ranks", ranks3, (num_slices, num_slots))
+    check_shape("scalings", scalings3, (num_slices, num_slots))
+    check_tensor("token_slots", token_slots, dtype=torch.int32, dims=1, device=device)
+    check_shape("token_slots", token_slots, (num_tokens,))
+    check_tensor("base_out", base_out, dtype=FLOAT_DTYPES, dims=2, device=device)
+    if base_out.shape[0] != num_tokens:
+        raise ValueError(f"base_out must have {num_tokens} rows (tokens of y), got shape {tuple(base_out.shape)}")
+    if slice_offsets is None:
+        slice_offsets = [0, base_out.shape[1]]
+    bounds, max_out = _slice_bounds(slice_offsets, num_slices, base_out.shape[1], device)
+    if num_tokens == 0 or max_rank == 0 or num_slots == 0 or max_out == 0:
+        return base_out
+
+    strides = (
+        y3.stride(0), y3.stride(1), y3.stride(2),
+        b3.stride(0), b3.stride(1), b3.stride(2),
+        ranks3.stride(0), ranks3.stride(1),
+        scalings3.stride(0), scalings3.stride(1),
+        base_out.stride(0), base_out.stride(1),
+    )  # fmt: skip
+    if segments is None:
+        cfg = dict(config or expand_config(num_tokens, max_out, max_rank, segmented=False))
+        grid = (num_tokens, triton.cdiv(max_out, cfg["BLOCK_N"]), num_slices)
+        _lora_expand_bgmv_kernel[grid](
+            y3, pool, b3, ranks3, scalings3, token_slots, bounds, base_out,
+            num_tokens,
+            *strides,
+            **cfg,
+        )  # fmt: skip
+        return base_out
+
+    check_segments(segments, num_tokens, device)
+    if segments.num_segments == 0:
+        return base_out
+    cfg = dict(config or expand_config(num_tokens, max_out, max_rank, True, segments.max_seg_len))
+    num_n_blocks = triton.cdiv(max_out, cfg["BLOCK_N"])
+    grid = (segments.num_segments, triton.cdiv(segments.max_seg_len, cfg["BLOCK_M"]), num_slices * num_n_blocks)
+    _lora_expand_sgmv_kernel[grid](
+        y3, pool, b3, ranks3, scalings3,
+        segments.token_order, segments.seg_starts, segments.seg_slots, bounds, base_out,
+        segments.num_segments,
+        *strides,
+        NUM_N_BLOCKS=num_n_blocks,
+        DOT_PRECISION="ieee",
+        **cfg,
+    )  # fmt: skip
+    return base_out

@@ -1,0 +1,208 @@
+"""Paged decode attention (one query token per sequence) with grouped-query attention.
+
+The KV cache lives in the flat ``pool`` shared with the adapter rows. Page p holds, for all
+layers, a contiguous block ``[num_layers, 2 (k, v), page_size, num_kv_heads, head_dim]`` that
+starts at pool element ``p * page_elems`` (page_elems = num_layers*2*page_size*num_kv_heads*head_dim).
+Token position t of sequence b lives in page ``block_tables[b, t // page_size]``, slot
+``t % page_size``.
+
+One program per (sequence, kv head) handles all ``group`` query heads that share the kv head,
+so each K/V row is read once per sequence; online softmax in fp32, one pass over the sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.lora_meta import FLOAT_DTYPES, check_tensor
+
+__all__ = ["paged_decode_attention", "attention_config"]
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit(do_not_specialize=["layer", "stride_btb"])
+def _paged_decode_attention_kernel(
+    # pointers
+    q_ptr,  # [B, H, D]
+    pool_ptr,  # flat pool
+    block_tables_ptr,  # int32 [B, max_blocks]
+    seq_lens_ptr,  # int32 [B]
+    out_ptr,  # [B, H, D]
+    # sizes
+    layer,
+    head_dim,
+    qk_scale,  # softmax scale * log2(e)
+    # strides
+    stride_qb,
+    stride_qh,
+    stride_qd,
+    stride_btb,
+    stride_btn,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    stride_page,  # pool elements per page (all layers)
+    stride_layer,
+    stride_kv,  # k -> v
+    stride_slot,  # one token (all kv heads)
+    # meta-parameters
+    PAGE_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    g_mask = offs_g < GROUP
+    heads = (kv_head * GROUP + offs_g).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+    q = tl.load(
+        q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    # element offset of (layer, k, slot 0, kv_head, 0) inside any page
+    head_base = layer.to(tl.int64) * stride_layer + kv_head.to(tl.int64) * head_dim
+
+    m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+    for start in range(0, seq_len, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < seq_len
+        pages = tl.load(
+            block_tables_ptr + seq * stride_btb + (offs_n // PAGE_SIZE) * stride_btn,
+            mask=n_mask,
+            other=0,
+        ).to(tl.int64)
+        kv_offs = pages * stride_page + head_base + (offs_n % PAGE_SIZE).to(tl.int64) * stride_slot
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(pool_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(pool_ptr + stride_kv + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+
+        s = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    l_i = tl.where(l_i > 0.0, l_i, 1.0)  # seq_len == 0: output zeros, not NaN
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+        out.to(out_ptr.dtype.element_ty),
+        mask=g_mask[:, None] & d_mask[None, :],
+    )
+
+
+def attention_config(group: int, head_dim: int, page_size: int) -> dict[str, int]:
+    """Block sizes for ``paged_decode_attention`` (tl.dot tiles stay >= 16)."""
+    return {
+        "BLOCK_G": max(16, triton.next_power_of_2(group)),
+        "BLOCK_N": max(64, triton.next_power_of_2(page_size)),
+        "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
+        "num_warps": 4,
+    }
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    *,
+    layer: int,
+    num_layers: int,
+    page_size: int,
+    num_kv_heads: int,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """Decode attention of one query token per sequence over a paged KV cache (GQA).
+
+    Semantics::
+
+        kv = pool[: num_pages * page_elems].view(num_pages, num_layers, 2, page_size, num_kv_heads, d)
+        group = n_heads // num_kv_heads
+        for b in range(B):
+            n = seq_lens[b]
+            pages = block_tables[b, : cdiv(n, page_size)]
+            K = kv[pages, layer, 0].reshape(-1, num_kv_heads, d)[:n]      # [n, n_kv, d]
+            V = kv[pages, layer, 1].reshape(-1, num_kv_heads, d)[:n]
+            for h in range(n_heads):
+                w = softmax(scale * K[:, h // group].float() @ q[b, h].float())   # fp32
+                out[b, h] = w @ V[:, h // group].float()
+
+    Args:
+        q: [B, n_heads, d], dtype of ``pool`` (fp16/bf16/fp32), any strides.
+        pool: [P], 1-D contiguous flat pool; KV page p starts at element p * page_elems.
+        block_tables: int32 [B, max_blocks]: page of each block of page_size positions; entries
+            past cdiv(seq_lens[b], page_size) are not read.
+        seq_lens: int32 [B]: tokens in the cache per sequence (the new token included), any
+            mix of lengths; 0 gives a zero output row.
+        scale: softmax scale (usually d ** -0.5).
+        out: [B, n_heads, d], fp16/bf16/fp32, any strides. Modified in place (fully written).
+        layer: the layer to read (0 <= layer < num_layers); not specialised on, no recompiles.
+        num_layers, page_size, num_kv_heads: the KV page geometry (head_dim is q's last dim).
+        config: optional block-size override (keys as returned by ``attention_config``).
+
+    Returns:
+        ``out``.
+    """
+    check_tensor("q", q, dtype=FLOAT_DTYPES, dims=3)
+    device = q.device
+    batch, num_heads, head_dim = q.shape
+    check_tensor("pool", pool, dtype=q.dtype, dims=1, device=device)
+    if not pool.is_contiguous():
+        raise ValueError("pool must be contiguous")
+    check_tensor("block_tables", block_tables, dtype=torch.int32, dims=2, device=device)
+    check_tensor("seq_lens", seq_lens, dtype=torch.int32, dims=1, device=device)
+    check_tensor("out", out, dtype=FLOAT_DTYPES, dims=3, device=device)
+    if block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must have {batch} rows (batch of q), got shape {tuple(block_tables.shape)}")
+    if seq_lens.shape[0] != batch:
+        raise ValueError(f"seq_lens must have shape ({batch},), got {tuple(seq_lens.shape)}")
+    if tuple(out.shape) != tuple(q.shape):
+        raise ValueError(f"out must have the shape of q {tuple(q.shape)}, got {tuple(out.shape)}")
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise ValueError(f"n_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if not 0 <= layer < num_layers:
+        raise ValueError(f"layer must be in [0, {num_layers}), got {layer}")
+    if page_size <= 0:
+        raise ValueError(f"page_size must be positive, got {page_size}")
+    if batch == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    stride_slot = num_kv_heads * head_dim
+    stride_kv = page_size * stride_slot
+    stride_layer = 2 * stride_kv
+    stride_page = num_layers * stride_layer
+    cfg = dict(config or attention_config(group, head_dim, page_size))
+    grid = (batch, num_kv_heads)
+    _paged_decode_attention_kernel[grid](
+        q, pool, block_tables, seq_lens, out,
+        layer, head_dim, float(scale) * _LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        block_tables.stride(0), block_tables.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        stride_page, stride_layer, stride_kv, stride_slot,
+        PAGE_SIZE=page_size,
+        GROUP=group,
+        DOT_PRECISION="ieee",
+        **cfg,
+    )  # fmt: skip
+    return out

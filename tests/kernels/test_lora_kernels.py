@@ -1,0 +1,395 @@
+"""LoRA shrink/expand kernels (BGMV and SGMV forms) against the torch references.
+
+Every case draws fresh random data from its own seed: dense adapter matrices are written rank
+row by rank row into a flat pool at shuffled, gapped offsets (the gaps hold random values too).
+Outputs the kernel must write are poisoned with NaN first; rows of base-only tokens (slot -1)
+must come back bit-identical.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from dataclasses import dataclass
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (conftest does it too)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kernels.lora_expand import lora_expand  # noqa: E402
+from kernels.lora_meta import build_segments  # noqa: E402
+from kernels.lora_shrink import lora_shrink  # noqa: E402
+from kernels.reference import ref_lora_expand, ref_lora_shrink  # noqa: E402
+
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+RANK_CHOICES = (1, 4, 8, 16)
+DISTS = ("distinct", "one", "powerlaw", "some_none", "all_none")
+
+
+def seed_of(*key: object) -> int:
+    return zlib.crc32(repr(key).encode())
+
+
+@dataclass
+class LoraCase:
+    x: torch.Tensor  # [T, in]
+    pool: torch.Tensor
+    a_dense: torch.Tensor  # fp32 [NS, S, R_max, in] (zero past the rank)
+    b_dense: list[torch.Tensor]  # per slice fp32 [S, out_i, R_max] (zero past the rank)
+    a_row_offsets: torch.Tensor  # int64 [NS, S, R_max]
+    b_row_offsets: torch.Tensor
+    ranks: torch.Tensor  # int32 [NS, S]
+    scalings: torch.Tensor  # fp32 [NS, S]
+    token_slots: torch.Tensor  # int32 [T]
+    slice_bounds: list[int]  # [NS + 1]
+    gen: torch.Generator
+
+
+def token_slots_for(dist: str, num_tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, int]:
+    """(token_slots int32 [T], number of slots S)."""
+    if dist == "distinct":
+        num_slots = num_tokens
+        slots = torch.randperm(num_tokens, generator=gen)
+    elif dist == "one":
+        num_slots = 4
+        slots = torch.full((num_tokens,), int(torch.randint(num_slots, (1,), generator=gen)))
+    elif dist in ("powerlaw", "some_none"):
+        num_slots = 6
+        weights = 1.0 / torch.arange(1, num_slots + 1, dtype=torch.float64) ** 1.5
+        slots = torch.multinomial(weights, num_tokens, replacement=True, generator=gen)
+        slots = torch.randperm(num_slots, generator=gen)[slots]  # the popular slot is not always 0
+        if dist == "some_none":
+            none = torch.rand(num_tokens, generator=gen) < 0.35
+            none[0] = True
+            slots = torch.where(none, torch.full_like(slots, -1), slots)
+    elif dist == "all_none":
+        num_slots = 3
+        slots = torch.full((num_tokens,), -1)
+    else:
+        raise ValueError(dist)
+    return slots.to(torch.int32), num_slots
+
+
+def make_case(
+    seed: int,
+    num_tokens: int,
+    in_features: int,
+    out_widths: list[int],
+    dist: str,
+    device: str,
+    max_rank: int = 16,
+    rank_choices: tuple[int, ...] = RANK_CHOICES,
+    dtype: torch.dtype = torch.float32,
+) -> LoraCase:
+    gen = torch.Generator().manual_seed(seed)
+    num_slices = len(out_widths)
+    token_slots, num_slots = token_slots_for(dist, num_tokens, gen)
+    choices = torch.tensor(rank_choices)
+    ranks = choices[torch.randint(len(rank_choices), (num_slices, num_slots), generator=gen)].to(torch.int32)
+    scalings = (0.5 + 1.5 * torch.rand(num_slices, num_slots, generator=gen)).float()
+
+    a_dense = torch.zeros(num_slices, num_slots, max_rank, in_features)
+    b_dense = [torch.zeros(num_slots, w, max_rank) for w in out_widths]
+    rows = []  # (kind, slice, slot, k, length)
+    for i in range(num_slices):
+        for s in range(num_slots):
+            r = int(ranks[i, s])
+            a_dense[i, s, :r] = torch.randn(r, in_features, generator=gen) / in_features**0.5
+            b_dense[i][s, :, :r] = torch.randn(out_widths[i], r, generator=gen)
+            rows += [("a", i, s, k, in_features) for k in range(r)]
+            rows += [("b", i, s, k, out_widths[i]) for k in range(r)]
+    # paged placement: shuffled row order, random gaps of garbage between rows
+    order = torch.randperm(len(rows), generator=gen).tolist()
+    gaps = torch.randint(0, 9, (len(rows) + 1,), generator=gen).tolist()
+    total = sum(r[4] for r in rows) + sum(gaps)
+    pool = torch.randn(total, generator=gen) * 3.0
+    a_offs = torch.full((num_slices, num_slots, max_rank), -1, dtype=torch.int64)
+    b_offs = torch.full((num_slices, num_slots, max_rank), -1, dtype=torch.int64)
+    pos = gaps[-1]
+    for j, idx in enumerate(order):
+        kind, i, s, k, length = rows[idx]
+        if kind == "a":
+            pool[pos : pos + length] = a_dense[i, s, k]
+            a_offs[i, s, k] = pos
+        else:
+            pool[pos : pos + length] = b_dense[i][s, :, k]
+            b_offs[i, s, k] = pos
+        pos += length + gaps[j]
+    # the dense copies hold exactly what the pool holds, in its dtype
+    pool = pool.to(dtype)
+    a_dense = a_dense.to(dtype).float()
+    b_dense = [b.to(dtype).float() for b in b_dense]
+    bounds = [0]
+    for w in out_widths:
+        bounds.append(bounds[-1] + w)
+    x = torch.randn(num_tokens, in_features, generator=gen).to(dtype)
+    return LoraCase(
+        x=x.to(device),
+        pool=pool.to(device),
+        a_dense=a_dense,
+        b_dense=b_dense,
+        a_row_offsets=a_offs.to(device),
+        b_row_offsets=b_offs.to(device),
+        ranks=ranks.to(device),
+        scalings=scalings.to(device),
+        token_slots=token_slots.to(device),
+        slice_bounds=bounds,
+        gen=gen,
+    )
+
+
+def dense_lora(case: LoraCase) -> tuple[torch.Tensor, torch.Tensor]:
+    """(shrink [NS, T, R_max], delta [T, total]) straight from the dense matrices (CPU fp32)."""
+    slots = case.token_slots.cpu().long()
+    active = slots >= 0
+    sel = slots.clamp(min=0)
+    x = case.x.cpu().float()
+    ns = case.a_dense.shape[0]
+    shrink = torch.stack([torch.einsum("tri,ti->tr", case.a_dense[i, sel], x) for i in range(ns)])
+    deltas = []
+    for i in range(ns):
+        b = case.b_dense[i][sel]  # [T, out_i, R]
+        scal = case.scalings.cpu()[i, sel][:, None]
+        deltas.append(scal * torch.einsum("tor,tr->to", b, shrink[i]))
+    delta = torch.cat(deltas, dim=1) * active[:, None]
+    return shrink, delta
+
+
+def poisoned(shape: tuple[int, ...], device: str) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
+
+
+def check_shrink(case: LoraCase, device: str, segmented: bool, config=None) -> torch.Tensor:
+    ns = case.a_row_offsets.shape[0]
+    num_tokens, max_rank = case.x.shape[0], case.a_row_offsets.shape[2]
+    expected = poisoned((ns, num_tokens, max_rank), "cpu")
+    ref_lora_shrink(
+        case.x.cpu(), case.pool.cpu(), case.a_row_offsets.cpu(), case.ranks.cpu(), case.token_slots.cpu(), expected
+    )
+    out = poisoned((ns, num_tokens, max_rank), device)
+    segments = build_segments(case.token_slots) if segmented else None
+    args = (case.x, case.pool, case.a_row_offsets, case.ranks, case.token_slots)
+    if ns == 1:  # exercise the 2-D single-slice form too
+        args = (case.x, case.pool, case.a_row_offsets[0], case.ranks[0], case.token_slots)
+        lora_shrink(*args, out[0], segments=segments, config=config)
+    else:
+        lora_shrink(*args, out, segments=segments, config=config)
+    out = out.cpu()
+    torch.testing.assert_close(out, expected, equal_nan=True, **TOL)
+    active = case.token_slots.cpu() >= 0
+    assert not out[:, active].isnan().any(), "rows of adapter tokens must be fully written"
+    assert out[:, ~active].isnan().all(), "rows of base-only tokens must stay untouched"
+    return out
+
+
+def check_expand(case: LoraCase, device: str, segmented: bool, config=None) -> None:
+    ns = case.a_row_offsets.shape[0]
+    num_tokens, max_rank = case.x.shape[0], case.a_row_offsets.shape[2]
+    slots = case.token_slots.cpu().long()
+    # y: random inside each token's rank, NaN past it and on base-only rows (must not be read)
+    y = torch.randn(ns, num_tokens, max_rank, generator=case.gen)
+    rank_of_token = torch.where(slots >= 0, case.ranks.cpu()[:, slots.clamp(min=0)].long(), 0)  # [NS, T]
+    y[torch.arange(max_rank)[None, None, :] >= rank_of_token[:, :, None]] = float("nan")
+    base = 10.0 * torch.randn(num_tokens, case.slice_bounds[-1], generator=case.gen)
+    expected = base.clone()
+    ref_lora_expand(
+        y, case.pool.cpu(), case.b_row_offsets.cpu(), case.ranks.cpu(), case.scalings.cpu(),
+        case.token_slots.cpu(), expected, case.slice_bounds,
+    )  # fmt: skip
+    out = base.to(device, copy=True)
+    segments = build_segments(case.token_slots) if segmented else None
+    if ns == 1:
+        lora_expand(
+            y[0].to(device), case.pool, case.b_row_offsets[0], case.ranks[0], case.scalings[0],
+            case.token_slots, out, None, segments=segments, config=config,
+        )  # fmt: skip
+    else:
+        lora_expand(
+            y.to(device), case.pool, case.b_row_offsets, case.ranks, case.scalings,
+            case.token_slots, out, case.slice_bounds, segments=segments, config=config,
+        )  # fmt: skip
+    out = out.cpu()
+    torch.testing.assert_close(out, expected, **TOL)
+    inactive = slots < 0
+    assert torch.equal(out[inactive], base[inactive]), "rows of base-only tokens must stay untouched"
+
+
+# ---------------------------------------------------------------------------------------------
+# the grid
+# ---------------------------------------------------------------------------------------------
+
+GRID = [
+    (t, inf, dist, ns)
+    for t in (1, 3, 17, 64)
+    for inf in (64, 72, 130)
+    for dist in DISTS
+    for ns in (1, 3)
+    # keep the interpreter run short: the largest T only with some input widths
+    if not (t == 64 and inf == 72)
+]
+
+
+@pytest.mark.parametrize(("num_tokens", "in_features", "dist", "num_slices"), GRID)
+def test_shrink_expand_grid(device, num_tokens, in_features, dist, num_slices):
+    widths = [in_features + 8, 24, 40][:num_slices]  # q/k/v-like slices of different widths
+    case = make_case(seed_of("grid", num_tokens, in_features, dist, num_slices), num_tokens, in_features,
+                     widths, dist, device)  # fmt: skip
+    for segmented in (False, True):
+        check_shrink(case, device, segmented)
+        check_expand(case, device, segmented)
+
+
+@pytest.mark.parametrize("dist", ["powerlaw", "some_none", "distinct"])
+def test_reference_matches_dense(dist):
+    """The references against plain dense matmuls of the matrices written into the pool."""
+    case = make_case(seed_of("dense", dist), 17, 72, [80, 24, 40], dist, "cpu")
+    shrink_ref = poisoned((3, 17, 16), "cpu")
+    ref_lora_shrink(case.x, case.pool, case.a_row_offsets, case.ranks, case.token_slots, shrink_ref)
+    shrink, delta = dense_lora(case)
+    active = case.token_slots >= 0
+    torch.testing.assert_close(shrink_ref[:, active], shrink[:, active], **TOL)
+    base = torch.randn(17, 144, generator=case.gen)
+    out = base.clone()
+    ref_lora_expand(shrink_ref, case.pool, case.b_row_offsets, case.ranks, case.scalings, case.token_slots, out,
+                    case.slice_bounds)  # fmt: skip
+    torch.testing.assert_close(out, base + delta, **TOL)
+
+
+@pytest.mark.parametrize("segmented", [False, True])
+def test_chain_matches_dense(device, segmented):
+    """shrink -> expand (the kernels) equals x @ A^T @ B^T * scaling from the dense matrices."""
+    case = make_case(seed_of("chain", segmented), 17, 130, [96, 32, 32], "some_none", device)
+    shrink = poisoned((3, 17, 16), device)
+    segments = build_segments(case.token_slots) if segmented else None
+    lora_shrink(case.x, case.pool, case.a_row_offsets, case.ranks, case.token_slots, shrink, segments=segments)
+    base = torch.randn(17, 160, generator=case.gen)
+    out = base.to(device, copy=True)
+    lora_expand(shrink, case.pool, case.b_row_offsets, case.ranks, case.scalings, case.token_slots, out,
+                case.slice_bounds, segments=segments)  # fmt: skip
+    _, delta = dense_lora(case)
+    torch.testing.assert_close(out.cpu(), base + delta, **TOL)
+
+
+SMALL_BLOCKS = [
+    # BGMV: several rank blocks per token (blocks past a slot's rank write zeros / are skipped)
+    ({"BLOCK_R": 4, "BLOCK_K": 32}, {"BLOCK_R": 4, "BLOCK_N": 32}, False),
+    # SGMV: several row blocks per segment, several rank blocks (R_max = 32), several K/N blocks
+    ({"BLOCK_M": 16, "BLOCK_R": 16, "BLOCK_K": 16}, {"BLOCK_M": 16, "BLOCK_R": 16, "BLOCK_N": 16}, True),
+]
+
+
+@pytest.mark.parametrize(("shrink_cfg", "expand_cfg", "segmented"), SMALL_BLOCKS)
+@pytest.mark.parametrize("dist", ["one", "some_none"])
+def test_small_blocks(device, shrink_cfg, expand_cfg, segmented, dist):
+    case = make_case(seed_of("small", segmented, dist), 40, 72, [48, 20, 36], dist, device, max_rank=32,
+                     rank_choices=(1, 4, 8, 16, 32))  # fmt: skip
+    check_shrink(case, device, segmented, config=shrink_cfg)
+    check_expand(case, device, segmented, config=expand_cfg)
+
+
+def test_strided_views(device):
+    """x a column slice of a wider tensor; base_out a column window of a fused output."""
+    case = make_case(seed_of("strided"), 17, 72, [40, 24], "powerlaw", device)
+    wide = torch.randn(17, 200, generator=case.gen).to(device)
+    wide[:, 50:122] = case.x
+    x_view = wide[:, 50:122]
+    for segmented in (False, True):
+        segments = build_segments(case.token_slots) if segmented else None
+        shrink = poisoned((2, 17, 16), device)
+        lora_shrink(x_view, case.pool, case.a_row_offsets, case.ranks, case.token_slots, shrink, segments=segments)
+        expected = poisoned((2, 17, 16), "cpu")
+        ref_lora_shrink(case.x.cpu(), case.pool.cpu(), case.a_row_offsets.cpu(), case.ranks.cpu(),
+                        case.token_slots.cpu(), expected)  # fmt: skip
+        torch.testing.assert_close(shrink.cpu(), expected, equal_nan=True, **TOL)
+
+        fused = torch.randn(17, 100, generator=case.gen)
+        expected_fused = fused.clone()
+        ref_lora_expand(expected, case.pool.cpu(), case.b_row_offsets.cpu(), case.ranks.cpu(), case.scalings.cpu(),
+                        case.token_slots.cpu(), expected_fused[:, 30:94], [0, 40, 64])  # fmt: skip
+        out = fused.to(device, copy=True)
+        lora_expand(shrink, case.pool, case.b_row_offsets, case.ranks, case.scalings, case.token_slots,
+                    out[:, 30:94], [0, 40], segments=segments)  # fmt: skip
+        torch.testing.assert_close(out.cpu(), expected_fused, **TOL)
+        assert torch.equal(out.cpu()[:, :30], fused[:, :30]) and torch.equal(out.cpu()[:, 94:], fused[:, 94:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision(device, dtype):
+    case = make_case(seed_of("half", str(dtype)), 17, 72, [40, 24], "some_none", device, dtype=dtype)
+    for segmented in (False, True):
+        if segmented and dtype == torch.bfloat16 and device == "cpu":
+            continue  # triton's interpreter computes bf16 tl.dot wrongly (triton 3.9); checked on GPU only
+        segments = build_segments(case.token_slots) if segmented else None
+        shrink = poisoned((2, 17, 16), device)
+        lora_shrink(case.x, case.pool, case.a_row_offsets, case.ranks, case.token_slots, shrink, segments=segments)
+        expected = poisoned((2, 17, 16), "cpu")
+        ref_lora_shrink(case.x.cpu(), case.pool.cpu(), case.a_row_offsets.cpu(), case.ranks.cpu(),
+                        case.token_slots.cpu(), expected)  # fmt: skip
+        torch.testing.assert_close(shrink.cpu(), expected, equal_nan=True, rtol=1e-3, atol=1e-3)
+
+        base = torch.randn(17, 64, generator=case.gen).to(dtype)
+        out = base.to(device, copy=True)
+        lora_expand(expected.to(device), case.pool, case.b_row_offsets, case.ranks, case.scalings, case.token_slots,
+                    out, case.slice_bounds, segments=segments)  # fmt: skip
+        ref = ref_lora_expand(expected, case.pool.cpu(), case.b_row_offsets.cpu(), case.ranks.cpu(),
+                              case.scalings.cpu(), case.token_slots.cpu(), base.clone(), case.slice_bounds)
+        # the SGMV form rounds y to the pool dtype before its tl.dot
+        torch.testing.assert_close(out.cpu().float(), ref.float(), rtol=2e-2, atol=5e-2)
+
+
+def test_empty_batch(device):
+    case = make_case(seed_of("empty"), 3, 64, [32], "powerlaw", device)
+    x = case.x[:0]
+    out = poisoned((1, 0, 16), device)
+    lora_shrink(x, case.pool, case.a_row_offsets, case.ranks, case.token_slots[:0], out)
+    lora_shrink(x, case.pool, case.a_row_offsets, case.ranks, case.token_slots[:0], out,
+                segments=build_segments(case.token_slots[:0]))  # fmt: skip
+    base = torch.zeros(0, 32, device=device)
+    lora_expand(out, case.pool, case.b_row_offsets, case.ranks, case.scalings, case.token_slots[:0], base, [0, 32])
+
+
+# ---------------------------------------------------------------------------------------------
+# metadata and argument checks
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dist", DISTS)
+@pytest.mark.parametrize("num_tokens", [1, 17, 64])
+def test_build_segments(dist, num_tokens):
+    gen = torch.Generator().manual_seed(seed_of("seg", dist, num_tokens))
+    slots, _ = token_slots_for(dist, num_tokens, gen)
+    meta = build_segments(slots)
+    active = torch.nonzero(slots >= 0).flatten()
+    order = meta.token_order.long()
+    assert sorted(order.tolist()) == active.tolist(), "token_order is a permutation of the adapter tokens"
+    assert meta.num_tokens == num_tokens
+    assert meta.seg_starts[0] == 0 and meta.seg_starts[-1] == active.numel()
+    assert meta.seg_slots.unique().numel() == meta.num_segments == (slots[active].unique().numel())
+    lengths = meta.seg_starts[1:] - meta.seg_starts[:-1]
+    assert (lengths > 0).all() and meta.max_seg_len == (int(lengths.max()) if meta.num_segments else 0)
+    for i in range(meta.num_segments):
+        toks = order[meta.seg_starts[i] : meta.seg_starts[i + 1]]
+        assert (slots[toks] == meta.seg_slots[i]).all()
+        assert (toks[1:] > toks[:-1]).all(), "stable: tokens keep their order inside a segment"
+
+
+def test_argument_errors(device):
+    case = make_case(seed_of("errors"), 3, 64, [32], "powerlaw", device)
+    out = poisoned((1, 3, 16), device)
+    args = (case.x, case.pool, case.a_row_offsets, case.ranks, case.token_slots)
+    with pytest.raises(TypeError, match="out"):
+        lora_shrink(*args, out.double())
+    with pytest.raises(TypeError, match="pool"):
+        lora_shrink(case.x, case.pool.half(), *args[2:], out)
+    with pytest.raises(TypeError, match="token_slots"):
+        lora_shrink(*args[:4], case.token_slots.long(), out)
+    with pytest.raises(ValueError, match="out"):
+        lora_shrink(*args, out[:, :2])
+    with pytest.raises(ValueError, match="segments"):
+        lora_shrink(*args, out, segments=build_segments(case.token_slots[:2]))
+    base = torch.zeros(3, 32, device=device)
+    with pytest.raises(ValueError, match="slice_offsets"):
+        lora_expand(out, case.pool, case.b_row_offsets, case.ranks, case.scalings, case.token_slots, base, [0, 16, 32])
+    with pytest.raises(TypeError, match="scalings"):
+        lora_expand(out, case.pool, case.b_row_offsets, case.ranks, case.scalings.double(), case.token_slots, base)
