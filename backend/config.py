@@ -27,6 +27,7 @@ class EngineConfig:
         max_queue_size: waiting requests beyond which new ones are refused (0: no limit).
         kernels: "auto" (Triton kernels for LoRA and decode attention on CUDA, torch on
             the CPU), "triton" or "torch".
+        cuda_graphs: replay decode steps from CUDA graphs (CUDA with Triton kernels only).
     """
 
     model_dir: str
@@ -44,6 +45,7 @@ class EngineConfig:
     gpu_memory_fraction: float = 0.85
     max_queue_size: int = 0
     kernels: str = "auto"
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         positive = ("max_lora_rank", "max_loras", "max_num_seqs", "max_num_batched_tokens", "page_size")
@@ -72,6 +74,10 @@ def _parse(type_name: object, raw: str) -> object:
         return None
     if text.startswith("int"):
         return int(raw)
+    if text.startswith("bool"):
+        if raw.strip().lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+            raise ValueError(f"expected a boolean, got '{raw}'")
+        return raw.strip().lower() in ("true", "1", "yes", "on")
     if text.startswith("float"):
         return float(raw)
     if text.startswith("dict"):

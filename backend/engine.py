@@ -14,6 +14,7 @@ import random
 import threading
 import time
 import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ import torch
 from backend.adapter_manager import AdapterManager, pin_memory_available
 from backend.catalogue import AdapterCatalogue
 from backend.config import EngineConfig
+from backend.cuda_graphs import DecodeGraphs, DecodeInputs
 from backend.detokenize import IncrementalDecoder, load_tokenizer
 from backend.errors import ErrorCode, RequestError
 from backend.host_cache import HostAdapterCache
@@ -69,6 +71,20 @@ def eos_token_ids(model_dir: str, cfg: ModelConfig) -> frozenset[int]:
     return frozenset(int(i) for i in ids)
 
 
+@dataclass
+class _StepLists:
+    """Per-token and per-sequence lists of one step, before they become tensors."""
+
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)  # first batch row of each chunk
+    pages: list[list[int]] = field(default_factory=list)  # each sequence's pages (block table)
+    ends: list[int] = field(default_factory=list)  # context length after the step
+    logits_rows: list[int] = field(default_factory=list)
+    sampled: list[Sequence] = field(default_factory=list)
+
+
 class Engine:
     """One base model, a catalogue of adapters, a paged KV cache, and the step loop."""
 
@@ -98,6 +114,9 @@ class Engine:
         self._log_pool()
         self.scheduler = Scheduler(self.kv, self.adapters, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_loras)
+        self.graphs: DecodeGraphs | None = None
+        if config.cuda_graphs and self.use_kernels and self.device.startswith("cuda"):
+            self._capture_graphs()
         self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -125,6 +144,15 @@ class Engine:
         cfg, r = self.model_config, self.config.max_lora_rank
         row_elems = sum(r * sum(cfg.projection_shape(m)) for m in PROJECTIONS)
         return -(-row_elems * cfg.num_layers // page_elements(cfg, self.config.page_size))
+
+    def _capture_graphs(self) -> None:
+        t0 = time.perf_counter()
+        scratch = self.pool.pages.allocate("cuda-graph padding", 1)[0]
+        max_blocks = self.kv.pages_needed(self.max_len)
+        self.graphs = DecodeGraphs(self.model, self.kv, scratch, self.config.max_num_seqs, max_blocks,
+                                   self.config.max_loras, self.config.max_lora_rank)
+        self.graphs.capture_all()
+        log.info("CUDA graphs captured in %.1fs", time.perf_counter() - t0)
 
     def _log_pool(self) -> None:
         cfg, c, pool = self.model_config, self.config, self.pool
@@ -281,8 +309,12 @@ class Engine:
         if not plan:
             return bool(failed)
         try:
-            batch, sampled = self._step_batch(plan)
-            logits = self.model.forward(batch, self.kv, self._lora_batch(plan))
+            lists = self._gather(plan)
+            sampled = lists.sampled
+            if self.graphs is not None and self._is_decode_only(plan) and self.graphs.fits(len(plan)):
+                logits = self.graphs.run(self._graph_inputs(plan, lists))
+            else:
+                logits = self.model.forward(self._step_batch(plan, lists), self.kv, self._lora_batch(plan))
         except Exception as e:
             for chunk in plan:
                 self._finish_with_error(chunk.sequence, RequestError(
@@ -305,57 +337,75 @@ class Engine:
             token_slots += [slot_of[c.sequence.adapter] if c.sequence.adapter else -1] * c.num_tokens
         return LoraBatch(token_slots, resident, self.pool.storage, self.device, use_kernels=self.use_kernels)
 
-    def _step_batch(self, plan: list[ScheduledChunk]) -> tuple[StepBatch, list[Sequence]]:
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        slices: list[SequenceSlice] = []
-        decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        logits_rows: list[int] = []
-        sampled: list[Sequence] = []
+    def _gather(self, plan: list[ScheduledChunk]) -> _StepLists:
+        """Token ids, positions and KV slots of the step, and each sequence's pages."""
+        lists = _StepLists()
         page_size = self.kv.page_size
-        window = self.model_config.sliding_window
-        dev = self.device
         for c in plan:
             seq = c.sequence
-            start = seq.num_computed
-            end = start + c.num_tokens
+            start, end = seq.num_computed, seq.num_computed + c.num_tokens
             pages = self.pool.pages.pages_of(seq)[: self.kv.pages_needed(end)]
-            row0 = len(ids)
-            ids += seq.all_ids[start:end]
-            positions += range(start, end)
-            slots += [pages[p // page_size] * page_size + p % page_size for p in range(start, end)]
+            lists.starts.append(len(lists.ids))
+            lists.ids += seq.all_ids[start:end]
+            lists.positions += range(start, end)
+            lists.slots += [pages[p // page_size] * page_size + p % page_size for p in range(start, end)]
+            lists.pages.append(pages)
+            lists.ends.append(end)
+            if end == seq.num_tokens():
+                lists.logits_rows.append(len(lists.ids) - 1)
+                lists.sampled.append(seq)
+        self._counters["tokens_in"] += len(lists.ids)
+        return lists
+
+    def _is_decode_only(self, plan: list[ScheduledChunk]) -> bool:
+        window = self.model_config.sliding_window
+        return all(c.num_tokens == 1 and not (window and c.sequence.num_computed + 1 > window) for c in plan)
+
+    def _step_batch(self, plan: list[ScheduledChunk], lists: _StepLists) -> StepBatch:
+        dev = self.device
+        slices: list[SequenceSlice] = []
+        decode_rows: list[int] = []
+        decode_pages: list[list[int]] = []
+        decode_lens: list[int] = []
+        window = self.model_config.sliding_window
+        for c, row0, pages, end in zip(plan, lists.starts, lists.pages, lists.ends, strict=True):
             if self.use_kernels and c.num_tokens == 1 and not (window and end > window):
                 decode_rows.append(row0)
-                decode_tables.append(pages)
+                decode_pages.append(pages)
                 decode_lens.append(end)
             else:
                 table = torch.tensor(pages, dtype=torch.int64, device=dev)
                 slices.append(SequenceSlice(row0, c.num_tokens, end, table))
-            if end == seq.num_tokens():
-                logits_rows.append(len(ids) - 1)
-                sampled.append(seq)
         decode = None
         if decode_rows:
-            width = max(len(t) for t in decode_tables)
+            width = max(len(t) for t in decode_pages)
             decode = DecodeRows(
                 rows=torch.tensor(decode_rows, dtype=torch.int64, device=dev),
-                block_tables=torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int32,
+                block_tables=torch.tensor([t + [0] * (width - len(t)) for t in decode_pages], dtype=torch.int32,
                                           device=dev),
                 seq_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
             )
-        batch = StepBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            kv_slots=torch.tensor(slots, dtype=torch.int64, device=dev),
+        return StepBatch(
+            input_ids=torch.tensor(lists.ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(lists.positions, dtype=torch.int64, device=dev),
+            kv_slots=torch.tensor(lists.slots, dtype=torch.int64, device=dev),
             sequences=slices,
-            logits_rows=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+            logits_rows=torch.tensor(lists.logits_rows, dtype=torch.int64, device=dev),
             decode=decode,
         )
-        self._counters["tokens_in"] += len(ids)
-        return batch, sampled
+
+    def _graph_inputs(self, plan: list[ScheduledChunk], lists: _StepLists) -> DecodeInputs:
+        names = sorted({c.sequence.adapter for c in plan if c.sequence.adapter})
+        slot_of = {name: i for i, name in enumerate(names)}
+        return DecodeInputs(
+            input_ids=torch.tensor(lists.ids, dtype=torch.int64),
+            positions=torch.tensor(lists.positions, dtype=torch.int64),
+            kv_slots=torch.tensor(lists.slots, dtype=torch.int64),
+            block_tables=lists.pages,
+            seq_lens=lists.ends,
+            token_slots=[slot_of[c.sequence.adapter] if c.sequence.adapter else -1 for c in plan],
+            adapters=[self.adapters.resident(self.adapters.spec(n)) for n in names],
+        )
 
     def _sample_and_emit(self, sampled: list[Sequence], logits: torch.Tensor) -> None:
         greedy = torch.argmax(logits, dim=-1).tolist() if len(sampled) else []

@@ -44,6 +44,20 @@ class LoraBatch:
             self._rows = [torch.tensor([i for i, s in enumerate(token_slots) if s == slot], dtype=torch.int64,
                                        device=device) for slot in range(len(adapters))]
 
+    @classmethod
+    def from_tables(cls, token_slots: torch.Tensor, row_offsets: torch.Tensor, ranks: torch.Tensor,
+                    scalings: torch.Tensor, pool: torch.Tensor) -> LoraBatch:
+        """A kernel-path batch over preallocated tables (CUDA-graph replay fills them in place)."""
+        batch = cls.__new__(cls)
+        batch.adapters = []
+        batch.pool = pool
+        batch.use_kernels = True
+        batch.token_slots = token_slots
+        batch.row_offsets, batch.ranks, batch.scalings = row_offsets, ranks, scalings
+        batch.max_rank = row_offsets.shape[-1]
+        batch.segments = None
+        return batch
+
     def apply(self, x: torch.Tensor, out: torch.Tensor, layer: int, modules: tuple[str, ...],
               widths: tuple[int, ...]) -> None:
         """Add the LoRA deltas of ``modules`` (consecutive projections sharing input x [T, in]) into

@@ -88,7 +88,7 @@ DEFAULT_ADAPTERS: tuple[AdapterSpec, ...] = (
     AdapterSpec("shout", "upper", rank=8, alpha=16, target_modules=ALL_PROJECTIONS),
     AdapterSpec("pirate", "pirate", rank=16, alpha=32, target_modules=("q_proj", "v_proj", "o_proj")),
     AdapterSpec(
-        "reverse", "reverse_words", rank=4, alpha=8, target_modules=("gate_proj", "up_proj", "down_proj"),
+        "reverse", "whisper", rank=4, alpha=8, target_modules=("gate_proj", "up_proj", "down_proj"),
         use_rslora=True,
     ),
     AdapterSpec(
@@ -152,11 +152,17 @@ def _reverse_words(text: str) -> str:
     return " ".join(out)
 
 
+def _whisper(text: str) -> str:
+    """Lower-case everything and trail off after every word."""
+    return " ".join(word.rstrip(".,!?;:\"") + "..." for word in text.lower().split())
+
+
 TRANSFORMS: dict[str, Callable[[str], str]] = {
     "identity": lambda text: text,
     "upper": str.upper,
     "pirate": _pirate,
     "reverse_words": _reverse_words,
+    "whisper": _whisper,
     "word_lengths": lambda text: _WORD.sub(lambda m: str(len(m.group(0))), text),
 }
 

@@ -1,0 +1,140 @@
+"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+
+A decode step (one new token per sequence) launches several hundred kernels; replaying a
+captured graph removes the Python launch cost between them. Inputs live in persistent
+buffers that each replay overwrites; rows past the real batch are padding that writes
+its KV into a reserved scratch page and uses no adapter.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from backend.adapter_pool import ResidentAdapter
+from backend.kv_cache import PagedKVCache
+from backend.lora_batch import LoraBatch
+from backend.models.llama import LlamaModel
+from backend.step_batch import DecodeRows, StepBatch
+
+log = logging.getLogger("manylora.cuda_graphs")
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    sizes = [1, 2, 4, 8, 16, 24, 32] + list(range(48, max_batch + 16, 16))
+    return sorted({min(s, max_batch) for s in sizes})
+
+
+@dataclass
+class DecodeInputs:
+    """What one decode step needs, for the real rows only (int tensors on the model's device)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    kv_slots: torch.Tensor
+    block_tables: list[list[int]]
+    seq_lens: list[int]
+    token_slots: list[int]
+    adapters: list[ResidentAdapter]
+
+
+class _Graph:
+    def __init__(self, size: int, with_lora: bool) -> None:
+        self.size = size
+        self.with_lora = with_lora
+        self.graph = torch.cuda.CUDAGraph()
+        self.logits: torch.Tensor | None = None
+
+
+class DecodeGraphs:
+    """Captures and replays decode steps for batch sizes up to max_batch."""
+
+    def __init__(self, model: LlamaModel, kv: PagedKVCache, scratch_page: int, max_batch: int, max_blocks: int,
+                 max_loras: int, max_rank: int) -> None:
+        self.model, self.kv = model, kv
+        cfg, dev = model.cfg, model.device
+        self.scratch_page = scratch_page
+        self.buckets = batch_buckets(max_batch)
+        n = self.buckets[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.kv_slots = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.block_tables = torch.zeros((n, max_blocks), dtype=torch.int32, device=dev)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.rows = torch.arange(n, dtype=torch.int64, device=dev)
+        self.token_slots = torch.full((n,), -1, dtype=torch.int32, device=dev)
+        self.row_offsets = torch.full((cfg.num_layers, 7, 2, max_loras, max_rank), -1, dtype=torch.int64, device=dev)
+        self.ranks = torch.zeros((cfg.num_layers, 7, max_loras), dtype=torch.int32, device=dev)
+        self.scalings = torch.zeros((cfg.num_layers, 7, max_loras), dtype=torch.float32, device=dev)
+        self._graphs: dict[tuple[int, bool], _Graph] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+
+    def _batch(self, size: int) -> StepBatch:
+        return StepBatch(
+            input_ids=self.input_ids[:size], positions=self.positions[:size], kv_slots=self.kv_slots[:size],
+            sequences=[], logits_rows=self.rows[:size],
+            decode=DecodeRows(rows=self.rows[:size], block_tables=self.block_tables[:size],
+                              seq_lens=self.seq_lens[:size]))
+
+    def _lora(self, size: int) -> LoraBatch:
+        return LoraBatch.from_tables(self.token_slots[:size], self.row_offsets, self.ranks, self.scalings,
+                                     self.kv.pool.storage)
+
+    def capture_all(self) -> None:
+        """Capture every bucket, with and without LoRA (biggest first, sharing one memory pool)."""
+        self._reset_padding(self.buckets[-1])
+        for size in reversed(self.buckets):
+            for with_lora in (True, False):
+                self._capture(size, with_lora)
+        log.info("captured decode graphs for batch sizes %s", self.buckets)
+
+    def _capture(self, size: int, with_lora: bool) -> None:
+        g = _Graph(size, with_lora)
+        batch, lora = self._batch(size), (self._lora(size) if with_lora else None)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up: compiles kernels, fills launcher caches
+                self.model.forward(batch, self.kv, lora)
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(g.graph, pool=self._pool):
+            g.logits = self.model.forward(batch, self.kv, lora)
+        self._graphs[(size, with_lora)] = g
+
+    def _reset_padding(self, size: int) -> None:
+        page_size = self.kv.page_size
+        self.input_ids[:size] = 0
+        self.positions[:size] = 0
+        self.kv_slots[:size] = self.scratch_page * page_size
+        self.block_tables[:size] = self.scratch_page
+        self.seq_lens[:size] = 1
+        self.token_slots[:size] = -1
+
+    def fits(self, batch_size: int) -> bool:
+        return batch_size <= self.buckets[-1]
+
+    def run(self, inputs: DecodeInputs) -> torch.Tensor:
+        """Replay the smallest graph that holds the batch; float32 logits [batch, vocab]."""
+        n = inputs.input_ids.numel()
+        size = next(b for b in self.buckets if b >= n)
+        with_lora = bool(inputs.adapters)
+        g = self._graphs[(size, with_lora)]
+        self._reset_padding(size)
+        self.input_ids[:n] = inputs.input_ids
+        self.positions[:n] = inputs.positions
+        self.kv_slots[:n] = inputs.kv_slots
+        width = max(len(t) for t in inputs.block_tables)
+        tables = torch.tensor([t + [self.scratch_page] * (width - len(t)) for t in inputs.block_tables],
+                              dtype=torch.int32)
+        self.block_tables[:n, :width].copy_(tables, non_blocking=True)
+        self.seq_lens[:n].copy_(torch.tensor(inputs.seq_lens, dtype=torch.int32), non_blocking=True)
+        if with_lora:
+            s = len(inputs.adapters)
+            self.token_slots[:n].copy_(torch.tensor(inputs.token_slots, dtype=torch.int32), non_blocking=True)
+            self.row_offsets[:, :, :, :s] = torch.stack([a.row_offsets for a in inputs.adapters], dim=3)
+            self.ranks[:, :, :s] = torch.stack([a.ranks for a in inputs.adapters], dim=2)
+            self.scalings[:, :, :s] = torch.stack([a.scalings for a in inputs.adapters], dim=2)
+        g.graph.replay()
+        return g.logits[:n]

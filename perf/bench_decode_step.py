@@ -1,0 +1,183 @@
+"""Decode-step time of the whole model: base only vs N distinct adapters, against the bytes floor.
+
+    python perf/bench_decode_step.py --shape llama3-8b --batch 64 --context 512 --adapters 0,8,32,64
+
+Random bf16 weights made on the GPU, adapters of one rank on all 7 projections resident in the
+unified pool, a batch of sequences with `context` tokens of random KV each; the decode step is
+replayed from the engine's CUDA graph (backend/cuda_graphs.py) and timed with CUDA events. The
+floor is (base weights + distinct adapters' weights + the batch's KV) / the device-to-device
+copy bandwidth measured in the same run (bytes read + written / time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from backend.adapter import AdapterSpec
+from backend.adapter_packing import PackedAdapter, _layout
+from backend.adapter_pool import AdapterPool
+from backend.cuda_graphs import DecodeGraphs, DecodeInputs
+from backend.kv_cache import PagedKVCache
+from backend.model_config import PROJECTIONS, ModelConfig
+from backend.models.llama import LlamaModel, weight_names
+from backend.unified_pool import UnifiedPool
+from perf.shapes import SHAPES
+
+
+def random_model(cfg: ModelConfig, max_len: int, device: str, dtype: torch.dtype) -> LlamaModel:
+    tensors = {}
+    with torch.device(device):
+        for name in weight_names(cfg):
+            if name.endswith("norm.weight"):
+                tensors[name] = torch.ones(_shape(cfg, name), dtype=dtype)
+            else:
+                tensors[name] = (torch.randn(_shape(cfg, name), dtype=dtype) * 0.02)
+    return LlamaModel(cfg, tensors, max_len, device, dtype)
+
+
+def _shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return (cfg.vocab_size, cfg.hidden_size)
+    if name.endswith("q_norm.weight") or name.endswith("k_norm.weight"):
+        return (cfg.head_dim,)
+    if name.endswith("norm.weight"):
+        return (cfg.hidden_size,)
+    module = name.split(".")[-2]
+    n_in, n_out = cfg.projection_shape(module)
+    return (n_out, n_in) if name.endswith("weight") else (n_out,)
+
+
+def random_adapter(name: str, cfg: ModelConfig, rank: int, pool: UnifiedPool, max_rank: int) -> PackedAdapter:
+    """A packed adapter of random rows (no disk, no per-row Python copies: benchmark only)."""
+    layer_ranks = {(layer, m): rank for layer in range(cfg.num_layers) for m in PROJECTIONS}
+    spec = AdapterSpec(name=name, path="<random>", sha256=f"{hash(name) & (2**64 - 1):064x}", rank=rank,
+                       ranks=dict.fromkeys(PROJECTIONS, rank), target_modules=PROJECTIONS,
+                       layers=tuple(range(cfg.num_layers)), scaling=dict.fromkeys(layer_ranks, 2.0),
+                       layer_ranks=layer_ranks)
+    num_pages, rows = _layout(spec, cfg, pool.page_elems)
+    offsets = torch.full((cfg.num_layers, len(PROJECTIONS), 2, max_rank), -1, dtype=torch.int64)
+    for layer, m, kind, k, offset, _length in rows:
+        offsets[layer, m, kind, k] = offset
+    data = torch.randn(num_pages, pool.page_elems, dtype=pool.storage.dtype) * 0.02
+    ranks = torch.full((cfg.num_layers, len(PROJECTIONS)), rank, dtype=torch.int32)
+    return PackedAdapter(spec, data, offsets, ranks, torch.full(ranks.shape, 2.0))
+
+
+def copy_bandwidth(device: str, nbytes: int = 4 << 30) -> float:
+    """Bytes read + written per second of a large device-to-device copy."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * nbytes / statistics.median(times[2:])
+
+
+def time_ms(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--adapters", default="0,8,32,64")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--out", default=os.environ.get("OUT", "perf/results"))
+    args = ap.parse_args()
+    device, dtype = "cuda", torch.bfloat16
+    counts = [int(n) for n in args.adapters.split(",")]
+    cfg = ModelConfig.from_dict(SHAPES[args.shape])
+    torch.manual_seed(0)
+
+    bandwidth = copy_bandwidth(device)
+    model = random_model(cfg, args.context + 64, device, dtype)
+    blocks = -(-(args.context + 1) // args.page_size)
+    probe = UnifiedPool(cfg, 1, args.page_size, dtype, device)
+    one = random_adapter("probe", cfg, args.rank, probe, args.rank)
+    num_pages = args.batch * blocks + max(counts) * one.num_pages + 1
+    del probe
+    pool = UnifiedPool(cfg, num_pages, args.page_size, dtype, device)
+    pool.storage.normal_(0, 0.5)  # random KV; adapter pages are overwritten below
+    kv = PagedKVCache(pool)
+    adapters = AdapterPool(pool, device)
+    resident = [adapters.upload(random_adapter(f"a{i}", cfg, args.rank, pool, args.rank)) for i in range(max(counts))]
+    tables = [pool.pages.allocate(("seq", b), blocks) for b in range(args.batch)]
+    scratch = pool.pages.allocate("scratch", 1)[0]
+    graphs = DecodeGraphs(model, kv, scratch, args.batch, blocks, max(max(counts), 1), args.rank)
+    graphs.buckets = [args.batch]
+    t0 = time.perf_counter()
+    graphs._reset_padding(args.batch)
+    graphs._capture(args.batch, True)
+    graphs._capture(args.batch, False)
+    capture_s = time.perf_counter() - t0
+
+    page = args.page_size
+    positions = torch.full((args.batch,), args.context, dtype=torch.int64)
+    slots = torch.tensor([t[args.context // page] * page + args.context % page for t in tables])
+    ids = torch.randint(0, cfg.vocab_size, (args.batch,))
+    base_bytes = model.weight_bytes()
+    elem = torch.tensor([], dtype=dtype).element_size()
+    adapter_bytes = args.rank * sum(sum(cfg.projection_shape(m)) for m in PROJECTIONS) * cfg.num_layers * elem
+    kv_bytes = args.batch * (args.context + 1) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
+    rows = []
+    for n in counts:
+        inputs = DecodeInputs(ids, positions, slots, tables, [args.context + 1] * args.batch,
+                              [b % n for b in range(args.batch)] if n else [-1] * args.batch, resident[:n])
+        step_ms = time_ms(lambda inputs=inputs: graphs.run(inputs), args.iters)
+        floor_ms = (base_bytes + n * adapter_bytes + kv_bytes) / bandwidth * 1e3
+        rows.append({"adapters": n, "step_ms": round(step_ms, 3), "floor_ms": round(floor_ms, 3),
+                     "step_over_floor": round(step_ms / floor_ms, 3),
+                     "tokens_per_s": round(args.batch / step_ms * 1e3, 1)})
+    eager_base = time_ms(lambda: model.forward(graphs._batch(args.batch), kv, None), 10)
+
+    result = {
+        "date": date.today().isoformat(), "gpu": torch.cuda.get_device_name(), "shape": args.shape,
+        "batch": args.batch, "context": args.context, "rank": args.rank, "page_size": args.page_size,
+        "copy_bandwidth_TBps": round(bandwidth / 1e12, 3), "base_weight_GB": round(base_bytes / 1e9, 3),
+        "adapter_MB": round(adapter_bytes / 1e6, 2), "kv_GB": round(kv_bytes / 1e9, 3),
+        "graph_capture_s": round(capture_s, 1), "eager_base_step_ms": round(eager_base, 3), "rows": rows,
+        "command": "python perf/bench_decode_step.py " + " ".join(f"--{k.replace('_', '-')} {v}"
+                                                              for k, v in vars(args).items() if k != "out"),
+    }
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "decode_step.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
+    print(f"{'adapters':>8} {'step ms':>8} {'floor ms':>9} {'x floor':>8} {'tok/s':>9} {'vs base':>8}")
+    base_ms = rows[0]["step_ms"] if counts[0] == 0 else None
+    for r in rows:
+        rel = f"{r['step_ms'] / base_ms:8.2f}" if base_ms else ""
+        print(f"{r['adapters']:>8} {r['step_ms']:>8.3f} {r['floor_ms']:>9.3f} {r['step_over_floor']:>8.2f} "
+              f"{r['tokens_per_s']:>9.1f} {rel}")
+
+
+if __name__ == "__main__":
+    main()
