@@ -54,7 +54,7 @@ class AdapterManager:
     def pages_to_admit(self, spec: AdapterSpec) -> int:
         return 0 if self.gpu.get(spec) is not None else self.pages(spec)
 
-    def make_room(self, num_pages: int, pinned: set[str]) -> bool:
+    def make_room(self, num_pages: int, pinned: set[tuple[str, str]]) -> bool:
         return self.gpu.make_room(num_pages, pinned)
 
     def make_resident(self, spec: AdapterSpec) -> ResidentAdapter:

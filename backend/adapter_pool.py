@@ -29,22 +29,24 @@ class AdapterPool:
     def __init__(self, pool: UnifiedPool, device: str) -> None:
         self.pool = pool
         self.device = device
-        self._resident: OrderedDict[str, ResidentAdapter] = OrderedDict()
+        self._resident: OrderedDict[tuple[str, str], ResidentAdapter] = OrderedDict()  # (name, sha256)
         self.uploads = 0
         self.evictions = 0
 
     def get(self, spec: AdapterSpec) -> ResidentAdapter | None:
-        entry = self._resident.get(spec.name)
-        if entry is None or entry.spec.sha256 != spec.sha256:
-            return None
-        self._resident.move_to_end(spec.name)
+        key = (spec.name, spec.sha256)
+        entry = self._resident.get(key)
+        if entry is not None:
+            self._resident.move_to_end(key)
         return entry
 
     def upload(self, packed: PackedAdapter) -> ResidentAdapter:
-        """Copy a packed adapter into free pages (the caller made room)."""
+        """Copy a packed adapter into free pages (the caller made room).
+
+        Versions of one name are separate entries: requests admitted with an older
+        version keep reading it until they finish.
+        """
         name = packed.spec.name
-        if name in self._resident:
-            self.evict(name)  # an older version
         key = AdapterKey(name, packed.spec.sha256)
         pages = self.pool.pages.allocate(key, packed.num_pages)
         page_ids = torch.tensor(pages, dtype=torch.int64)
@@ -55,23 +57,23 @@ class AdapterPool:
         absolute = torch.where(rel >= 0, page_ids[rel.clamp(min=0) // pe] * pe + rel.clamp(min=0) % pe, rel)
         entry = ResidentAdapter(key, packed.spec, absolute.to(self.device), packed.ranks.to(self.device),
                                 packed.scalings.to(self.device), packed.num_pages)
-        self._resident[name] = entry
+        self._resident[(name, packed.spec.sha256)] = entry
         self.uploads += 1
         return entry
 
-    def evict(self, name: str) -> None:
-        entry = self._resident.pop(name)
+    def evict(self, key: tuple[str, str]) -> None:
+        entry = self._resident.pop(key)
         self.pool.pages.free(entry.key)
         self.evictions += 1
 
-    def make_room(self, num_pages: int, pinned: set[str]) -> bool:
-        """Evict unpinned adapters, least recently used first, until num_pages are free."""
-        for name in list(self._resident):
+    def make_room(self, num_pages: int, pinned: set[tuple[str, str]]) -> bool:
+        """Evict unpinned adapter versions, least recently used first, until num_pages are free."""
+        for key in list(self._resident):
             if self.pool.pages.can_allocate(num_pages):
                 break
-            if name not in pinned:
-                self.evict(name)
+            if key not in pinned:
+                self.evict(key)
         return self.pool.pages.can_allocate(num_pages)
 
     def resident_names(self) -> list[str]:
-        return list(self._resident)
+        return [f"{name}@{sha[:12]}" for name, sha in self._resident]

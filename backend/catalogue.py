@@ -173,6 +173,22 @@ class AdapterCatalogue:
             self._add(spec)
         return spec
 
+    def replace(self, name: str, path: str | Path, pinned_sha256: str | None = None) -> AdapterSpec:
+        """Register a new version under an existing (or new) name; requests admitted earlier keep
+        the version they were admitted with (the engine holds their spec)."""
+        spec = self._parse(name, path, pinned_sha256)
+        with self._lock:
+            self._specs[name] = spec
+        return spec
+
+    def unregister(self, name: str) -> AdapterSpec:
+        """Remove a name; new requests for it get NOT_FOUND. Raises KeyError if unknown."""
+        with self._lock:
+            spec = self._specs.pop(name, None)
+        if spec is None:
+            raise KeyError(f"unknown adapter '{name}'")
+        return spec
+
     def register_all(
         self,
         mapping: Mapping[str, str | os.PathLike | CatalogueEntry | dict],

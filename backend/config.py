@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 
 
@@ -28,6 +29,10 @@ class EngineConfig:
         kernels: "auto" (Triton kernels for LoRA and decode attention on CUDA, torch on
             the CPU), "triton" or "torch".
         cuda_graphs: replay decode steps from CUDA graphs (CUDA with Triton kernels only).
+        allow_runtime_adapters: accept load/unload/replace of adapters while serving; off
+            unless the environment sets MANYLORA_ALLOW_RUNTIME_ADAPTERS=1 (as vLLM gates it).
+        resolvers: where to look for adapters a request names but the catalogue lacks,
+            comma-separated: dir:PATH, hf-cache:PATH, plugin:MODULE:FACTORY[:ARG]; "" = off.
     """
 
     model_dir: str
@@ -46,6 +51,8 @@ class EngineConfig:
     max_queue_size: int = 0
     kernels: str = "auto"
     cuda_graphs: bool = True
+    allow_runtime_adapters: bool = field(default_factory=lambda: _env_flag("MANYLORA_ALLOW_RUNTIME_ADAPTERS"))
+    resolvers: str = ""
 
     def __post_init__(self) -> None:
         positive = ("max_lora_rank", "max_loras", "max_num_seqs", "max_num_batched_tokens", "page_size")
@@ -66,6 +73,10 @@ class EngineConfig:
             kwargs[key] = _parse(known[key].type, raw)
         kwargs.update(overrides)
         return cls(**kwargs)  # type: ignore[arg-type]
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _parse(type_name: object, raw: str) -> object:

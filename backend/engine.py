@@ -19,12 +19,13 @@ from pathlib import Path
 
 import torch
 
+from backend.adapter import AdapterSpec
 from backend.adapter_manager import AdapterManager, pin_memory_available
 from backend.catalogue import AdapterCatalogue
 from backend.config import EngineConfig
 from backend.cuda_graphs import DecodeGraphs, DecodeInputs
 from backend.detokenize import IncrementalDecoder, load_tokenizer
-from backend.errors import ErrorCode, RequestError
+from backend.errors import AdapterError, ErrorCode, RequestError
 from backend.host_cache import HostAdapterCache
 from backend.kv_cache import PagedKVCache
 from backend.loader import resolve_dtype
@@ -32,6 +33,7 @@ from backend.lora_batch import LoraBatch
 from backend.model_config import PROJECTIONS, ModelConfig
 from backend.models.llama import LlamaModel
 from backend.request import EmitFn, GenerationOutput, GenerationRequest
+from backend.resolvers import load_resolvers
 from backend.sampling import make_generator, sample_next
 from backend.scheduler import ScheduledChunk, Scheduler
 from backend.sequence import Sequence
@@ -71,6 +73,17 @@ def eos_token_ids(model_dir: str, cfg: ModelConfig) -> frozenset[int]:
     return frozenset(int(i) for i in ids)
 
 
+def _adapter_info(spec: AdapterSpec) -> dict:
+    return {"name": spec.name, "rank": spec.rank, "target_modules": list(spec.target_modules), "sha256": spec.sha256,
+            "path": spec.path, "layers": len(spec.layers)}
+
+
+def _distinct_specs(plan: list[ScheduledChunk]) -> list[AdapterSpec]:
+    """The adapter versions of a step, in a fixed order (their slots)."""
+    by_key = {c.sequence.adapter_key: c.sequence.spec for c in plan if c.sequence.spec}
+    return [by_key[k] for k in sorted(by_key)]
+
+
 @dataclass
 class _StepLists:
     """Per-token and per-sequence lists of one step, before they become tensors."""
@@ -102,6 +115,7 @@ class Engine:
         self.eos_ids = eos_token_ids(config.model_dir, cfg)
         self.catalogue = AdapterCatalogue(cfg, config.max_lora_rank)
         self.catalogue.register_all(config.adapters, strict=True)
+        self.resolvers = load_resolvers(config.resolvers)
         t0 = time.perf_counter()
         self.model = LlamaModel.load(config.model_dir, cfg, self.max_len, self.device, self.dtype)
         log.info("loaded %s (%.1f MB) on %s as %s in %.1fs", cfg.architecture, self.model.weight_bytes() / 1e6,
@@ -166,8 +180,8 @@ class Engine:
                          rank, -(-row_elems // pool.page_elems))
 
     # ------------------------------------------------------------- admission
-    def validate(self, request: GenerationRequest) -> str | None:
-        """Raise RequestError if the request cannot be served; returns the adapter's sha256."""
+    def validate(self, request: GenerationRequest) -> AdapterSpec | None:
+        """Raise RequestError if the request cannot be served; returns the adapter version to use."""
         p, rid = request.sampling, request.request_id
         n = len(request.prompt_ids)
         if n == 0:
@@ -198,7 +212,7 @@ class Engine:
         spec = None
         if request.adapter:
             try:
-                spec = self.catalogue.resolve(request.adapter)
+                spec = self._adapter_spec(request.adapter)
             except RequestError as e:
                 raise RequestError(e.code, f"request {rid}: {e.message}") from None
         need = self.kv.pages_needed(n + p.max_tokens) + (self.adapters.pages(spec) if spec else 0)
@@ -210,25 +224,71 @@ class Engine:
         if limit and len(self.scheduler.waiting) + self._inbox.qsize() >= limit:
             raise RequestError(ErrorCode.UNAVAILABLE,
                                f"request {rid}: queue full ({limit} waiting requests, max_queue_size); retry later")
-        return spec.sha256 if spec else None
+        return spec
+
+    def _adapter_spec(self, name: str) -> AdapterSpec:
+        """The registered version of an adapter, asking the resolvers (if any) about unknown names."""
+        try:
+            return self.catalogue.resolve(name)
+        except RequestError:
+            for resolver in self.resolvers:
+                path = resolver.resolve(name)
+                if path is None:
+                    continue
+                try:
+                    spec = self.catalogue.register(name, path)
+                except AdapterError as e:
+                    if name in self.catalogue:  # a concurrent request resolved it first
+                        return self.catalogue.get(name)
+                    raise RequestError(ErrorCode.INVALID_ARG, str(e)) from None
+                log.info("resolved adapter '%s' to %s", name, path)
+                return spec
+            raise
+
+    # ----------------------------------------------------- adapter lifecycle
+    def _check_runtime_updates(self) -> None:
+        if not self.config.allow_runtime_adapters:
+            raise RequestError(ErrorCode.UNSUPPORTED,
+                               "runtime adapter updates are off; the operator enables them with "
+                               "MANYLORA_ALLOW_RUNTIME_ADAPTERS=1")
+
+    def load_adapter(self, name: str, path: str, sha256: str | None = None, replace: bool = False) -> dict:
+        """Register (or, with replace, re-version) an adapter while serving. Requests admitted
+        before a replace finish on the version they were admitted with."""
+        self._check_runtime_updates()
+        if name in self.catalogue and not replace:
+            raise RequestError(ErrorCode.ALREADY_EXISTS,
+                               f"adapter '{name}' is already registered; unload it first or pass replace")
+        try:
+            spec = (self.catalogue.replace if replace else self.catalogue.register)(name, path, sha256)
+        except AdapterError as e:
+            raise RequestError(ErrorCode.INVALID_ARG, str(e)) from None
+        log.info("adapter '%s' %s from %s (sha256 %s)", name, "replaced" if replace else "loaded", path, spec.sha256)
+        return _adapter_info(spec)
+
+    def unload_adapter(self, name: str) -> dict:
+        """Unregister an adapter: new requests get NOT_FOUND, admitted ones finish on their version."""
+        self._check_runtime_updates()
+        try:
+            spec = self.catalogue.unregister(name)
+        except KeyError:
+            raise RequestError(ErrorCode.NOT_FOUND, f"unknown adapter '{name}'; nothing to unload") from None
+        log.info("adapter '%s' unloaded (sha256 %s)", name, spec.sha256)
+        return _adapter_info(spec)
 
     def submit(self, request: GenerationRequest, emit: EmitFn) -> None:
         """Validate and queue a request; raises RequestError (nothing queued) if it is bad."""
-        sha = self.validate(request)
+        spec = self.validate(request)
         seed = request.sampling.seed if request.sampling.seed is not None else random.getrandbits(63)
         seq = Sequence(request, emit, IncrementalDecoder(self.tokenizer), make_generator(seed), self.eos_ids,
-                       self.max_len, sha)
+                       self.max_len, spec)
         self._counters["requests"] += 1
         self._inbox.put(seq)
         self._wake.set()
 
     # ---------------------------------------------------------------- queries
     def list_adapters(self) -> list[dict]:
-        return [
-            {"name": s.name, "rank": s.rank, "target_modules": list(s.target_modules), "sha256": s.sha256,
-             "path": s.path, "layers": len(s.layers)}
-            for s in self.catalogue.specs()
-        ]
+        return [_adapter_info(s) for s in self.catalogue.specs()]
 
     def stats(self) -> dict:
         return {
@@ -298,8 +358,8 @@ class Engine:
         for i, seq in enumerate(self.scheduler.waiting):
             if i >= PREFETCH_LOOKAHEAD:
                 break
-            if seq.adapter:
-                self.adapters.prefetch(self.adapters.spec(seq.adapter))
+            if seq.spec:
+                self.adapters.prefetch(seq.spec)
 
     def step(self) -> bool:
         """One scheduling decision and one forward pass; False when nothing could run."""
@@ -327,14 +387,14 @@ class Engine:
         return True
 
     def _lora_batch(self, plan: list[ScheduledChunk]) -> LoraBatch | None:
-        names = sorted({c.sequence.adapter for c in plan if c.sequence.adapter})
-        if not names:
+        specs = _distinct_specs(plan)
+        if not specs:
             return None
-        resident = [self.adapters.resident(self.adapters.spec(name)) for name in names]
-        slot_of = {name: i for i, name in enumerate(names)}
+        resident = [self.adapters.resident(spec) for spec in specs]
+        slot_of = {(s.name, s.sha256): i for i, s in enumerate(specs)}
         token_slots: list[int] = []
         for c in plan:
-            token_slots += [slot_of[c.sequence.adapter] if c.sequence.adapter else -1] * c.num_tokens
+            token_slots += [slot_of[c.sequence.adapter_key] if c.sequence.spec else -1] * c.num_tokens
         return LoraBatch(token_slots, resident, self.pool.storage, self.device, use_kernels=self.use_kernels)
 
     def _gather(self, plan: list[ScheduledChunk]) -> _StepLists:
@@ -395,16 +455,16 @@ class Engine:
         )
 
     def _graph_inputs(self, plan: list[ScheduledChunk], lists: _StepLists) -> DecodeInputs:
-        names = sorted({c.sequence.adapter for c in plan if c.sequence.adapter})
-        slot_of = {name: i for i, name in enumerate(names)}
+        specs = _distinct_specs(plan)
+        slot_of = {(s.name, s.sha256): i for i, s in enumerate(specs)}
         return DecodeInputs(
             input_ids=torch.tensor(lists.ids, dtype=torch.int64),
             positions=torch.tensor(lists.positions, dtype=torch.int64),
             kv_slots=torch.tensor(lists.slots, dtype=torch.int64),
             block_tables=lists.pages,
             seq_lens=lists.ends,
-            token_slots=[slot_of[c.sequence.adapter] if c.sequence.adapter else -1 for c in plan],
-            adapters=[self.adapters.resident(self.adapters.spec(n)) for n in names],
+            token_slots=[slot_of[c.sequence.adapter_key] if c.sequence.spec else -1 for c in plan],
+            adapters=[self.adapters.resident(spec) for spec in specs],
         )
 
     def _sample_and_emit(self, sampled: list[Sequence], logits: torch.Tensor) -> None:

@@ -13,6 +13,8 @@ class ErrorCode(str, Enum):
     UNAVAILABLE = "UNAVAILABLE"
     CANCELLED = "CANCELLED"
     INTERNAL = "INTERNAL"
+    UNSUPPORTED = "UNSUPPORTED"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
 
 
 class RequestError(Exception):

@@ -56,8 +56,9 @@ class Scheduler:
         self.pages.free(seq)
         seq.status = Status.FINISHED
 
-    def pinned_adapters(self) -> set[str]:
-        return {s.adapter for s in self.running if s.adapter}
+    def pinned_adapters(self) -> set[tuple[str, str]]:
+        """(name, sha256) of every adapter version a running request uses."""
+        return {s.adapter_key for s in self.running if s.spec}
 
     def schedule(self) -> tuple[list[ScheduledChunk], list[tuple[Sequence, AdapterError]]]:
         """The next step's chunks, and waiting requests whose adapter failed to load."""
@@ -82,7 +83,7 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
-            spec = self.adapters.spec(seq.adapter) if seq.adapter else None
+            spec = seq.spec
             adapter_pages = 0
             if spec is not None:
                 try:
@@ -94,16 +95,16 @@ class Scheduler:
                 if ready is Readiness.LOADING:
                     i += 1
                     continue
-                if seq.adapter not in active and len(active) >= self.max_loras:
+                if seq.adapter_key not in active and len(active) >= self.max_loras:
                     break
                 adapter_pages = self.adapters.pages_to_admit(spec)
             need = self.kv.pages_needed(seq.num_tokens() + 1) + adapter_pages
-            keep = active | ({seq.adapter} if seq.adapter else set())
+            keep = active | ({seq.adapter_key} if spec else set())
             if not self.pages.can_allocate(need) and not self.adapters.make_room(need, keep):
                 break
             if spec is not None:
                 self.adapters.make_resident(spec)
-                active.add(spec.name)
+                active.add(seq.adapter_key)
             n = min(seq.num_tokens() - seq.num_computed, budget)
             del self.waiting[i]
             self.pages.allocate(seq, self.kv.pages_needed(seq.num_computed + n))

@@ -7,6 +7,7 @@ from enum import Enum
 
 import torch
 
+from backend.adapter import AdapterSpec
 from backend.detokenize import CONTEXT_TOKENS, IncrementalDecoder
 from backend.request import EmitFn, GenerationOutput, GenerationRequest
 
@@ -24,14 +25,15 @@ class Sequence:
 
     def __init__(self, request: GenerationRequest, emit: EmitFn, decoder: IncrementalDecoder,
                  generator: torch.Generator, eos_ids: frozenset[int], max_len: int,
-                 adapter_sha256: str | None) -> None:
+                 spec: AdapterSpec | None) -> None:
         self.request = request
         self.emit = emit
         self.decoder = decoder
         self.generator = generator
         self.eos_ids = eos_ids
         self.max_len = max_len
-        self.adapter_sha256 = adapter_sha256
+        self.spec = spec  # the adapter version admitted with; it serves the whole request
+        self.adapter_sha256 = spec.sha256 if spec else None
         self.arrival = next(_arrival)
         self.prompt_ids = list(request.prompt_ids)
         self.output_ids: list[int] = []
@@ -48,6 +50,11 @@ class Sequence:
     @property
     def adapter(self) -> str | None:
         return self.request.adapter or None
+
+    @property
+    def adapter_key(self) -> tuple[str, str] | None:
+        """(name, sha256) of the adapter version serving this request; None for the base model."""
+        return (self.spec.name, self.spec.sha256) if self.spec else None
 
     @property
     def all_ids(self) -> list[int]:

@@ -55,7 +55,7 @@ def test_chunks_never_split_a_character(engine):
     assert None not in byte_ids
     seq = Sequence(GenerationRequest("bytes", [0, 5], None, SamplingParams(max_tokens=len(byte_ids) + 1)),
                    emit=lambda out: None, decoder=IncrementalDecoder(tok), generator=make_generator(0),
-                   eos_ids=frozenset(), max_len=1000, adapter_sha256=None)
+                   eos_ids=frozenset(), max_len=1000, spec=None)
     texts = []
     for token in byte_ids:
         seq.append_token(token)

@@ -18,6 +18,7 @@ An existing complete build with the same hash is left alone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import hashlib
 import json
@@ -26,7 +27,8 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -38,7 +40,7 @@ BUILD_FORMAT = 1
 MARKER_NAME = "build.json"
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 SPECIAL_TOKENS = (PAD, BOS, EOS)  # ids 0, 1, 2
-SUMMARY_PROMPT = "In the morning the baker"
+SUMMARY_PROMPT = "Anna likes to sit by the river"
 
 
 # --------------------------------------------------------------------------- configuration
@@ -79,7 +81,7 @@ class AdapterSpec:
     target_modules: tuple[str, ...]
     use_rslora: bool = False
     layers_to_transform: tuple[int, ...] | None = None
-    lr: float = 1e-2
+    lr: float = 1.5e-2
 
 
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -103,10 +105,10 @@ class BuildParams:
     """Everything that determines the build's bytes (hashed into the marker)."""
 
     steps: int = 400
-    adapter_steps: int = 120
+    adapter_steps: int = 200
     seed: int = 0
-    vocab_size: int = 768
-    base_lr: float = 3e-3
+    vocab_size: int = 1024
+    base_lr: float = 8e-3
     shape: ModelShape = field(default_factory=ModelShape)
     adapters: tuple[AdapterSpec, ...] = DEFAULT_ADAPTERS
     num_threads: int = 2
@@ -364,11 +366,31 @@ def _log(message: str) -> None:
     print(f"[embedded] {message}", flush=True)
 
 
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence transformers' progress bars, info logs and deprecation warnings for a while."""
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            warnings.simplefilter("ignore", UserWarning)
+            yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 def build_default(
     out_dir: Path,
     *,
     steps: int = 400,
-    adapter_steps: int = 120,
+    adapter_steps: int = 200,
     seed: int = 0,
     params: BuildParams | None = None,
     summary: bool = True,
@@ -388,7 +410,8 @@ def build_default(
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(params.num_threads)
     try:
-        _build(out_dir, params)
+        with _quiet():
+            _build(out_dir, params)
     finally:
         torch.set_num_threads(previous_threads)
     _log(f"built {out_dir} in {time.perf_counter() - t0:.1f}s")
@@ -432,6 +455,7 @@ def _save_base(model, base_dir: Path) -> None:
     from transformers import GenerationConfig
 
     model.save_pretrained(str(base_dir))
+    model.name_or_path = model.config._name_or_path = str(base_dir)  # recorded in adapter_config.json
     cfg = model.config
     GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
                      ).save_pretrained(str(base_dir))
@@ -468,7 +492,9 @@ def _greedy(model, tok, input_ids: torch.Tensor, max_new_tokens: int) -> str:
 def print_summary(out_dir: Path, params: BuildParams | None = None, prompt: str = SUMMARY_PROMPT) -> None:
     """Print the base's and every adapter's greedy continuation of ``prompt``."""
     print(f"[embedded] greedy continuations of {prompt!r}:", flush=True)
-    for name, text in greedy_continuations(out_dir, prompt).items():
+    with _quiet():
+        continuations = greedy_continuations(out_dir, prompt)
+    for name, text in continuations.items():
         print(f"  {name:>8}: {text!r}", flush=True)
 
 
@@ -480,7 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("build/default"), help="output directory")
     parser.add_argument("--steps", type=int, default=400, help="base model training steps")
-    parser.add_argument("--adapter-steps", type=int, default=120, help="training steps per adapter")
+    parser.add_argument("--adapter-steps", type=int, default=200, help="training steps per adapter")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-summary", action="store_true", help="skip the greedy-continuation printout")
     args = parser.parse_args(argv)
