@@ -32,6 +32,7 @@ from backend.loader import resolve_dtype
 from backend.lora_batch import LoraBatch
 from backend.model_config import PROJECTIONS, ModelConfig
 from backend.models.llama import LlamaModel
+from backend.observer import EngineObserver, NullObserver
 from backend.request import EmitFn, GenerationOutput, GenerationRequest
 from backend.resolvers import load_resolvers
 from backend.sampling import make_generator, sample_next
@@ -101,8 +102,9 @@ class _StepLists:
 class Engine:
     """One base model, a catalogue of adapters, a paged KV cache, and the step loop."""
 
-    def __init__(self, config: EngineConfig, *, start: bool = True) -> None:
+    def __init__(self, config: EngineConfig, *, start: bool = True, observer: EngineObserver | None = None) -> None:
         self.config = config
+        self.observer: EngineObserver = observer or NullObserver()
         self.device = resolve_device(config.device)
         if self.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(self.device))
@@ -123,7 +125,8 @@ class Engine:
         self.pool = UnifiedPool(cfg, self._num_pages(), config.page_size, self.dtype, self.device)
         self.kv = PagedKVCache(self.pool)
         host = HostAdapterCache(cfg, self.dtype, self.pool.page_elems, config.max_lora_rank, config.max_cpu_loras,
-                                pin_memory=pin_memory_available(self.device))
+                                pin_memory=pin_memory_available(self.device),
+                                on_load=lambda name, seconds: self.observer.adapter_loaded(name, seconds))
         self.adapters = AdapterManager(self.catalogue, self.pool, host, self.device)
         self._log_pool()
         self.scheduler = Scheduler(self.kv, self.adapters, config.max_num_seqs, config.max_num_batched_tokens,
@@ -278,11 +281,16 @@ class Engine:
 
     def submit(self, request: GenerationRequest, emit: EmitFn) -> None:
         """Validate and queue a request; raises RequestError (nothing queued) if it is bad."""
-        spec = self.validate(request)
+        try:
+            spec = self.validate(request)
+        except RequestError as e:
+            self.observer.request_failed(request.adapter or None, e.code.value)
+            raise
         seed = request.sampling.seed if request.sampling.seed is not None else random.getrandbits(63)
         seq = Sequence(request, emit, IncrementalDecoder(self.tokenizer), make_generator(seed), self.eos_ids,
                        self.max_len, spec)
         self._counters["requests"] += 1
+        self.observer.request_arrived(seq.adapter)
         self._inbox.put(seq)
         self._wake.set()
 
@@ -474,12 +482,24 @@ class Engine:
             token = greedy[row] if params.temperature == 0.0 else sample_next(logits[row], params, seq.generator)
             seq.append_token(token)
             self._counters["tokens_out"] += 1
+            self._observe_token(seq)
             output = seq.next_output()
             if output is not None:
                 self._emit(seq, output)
             if seq.finish_reason is not None:
                 self.scheduler.remove(seq)
                 self._counters["finished"] += 1
+                self.observer.request_finished(seq.adapter, len(seq.prompt_ids), len(seq.output_ids),
+                                               seq.finish_reason)
+
+    def _observe_token(self, seq: Sequence) -> None:
+        now = time.perf_counter()
+        if seq.last_token_at is None:
+            queue_s = (seq.admitted_at or now) - seq.submitted_at
+            self.observer.first_token(seq.adapter, queue_s, now - seq.submitted_at)
+        else:
+            self.observer.next_token(seq.adapter, now - seq.last_token_at)
+        seq.last_token_at = now
 
     def _emit(self, seq: Sequence, output: GenerationOutput) -> None:
         try:
@@ -494,6 +514,7 @@ class Engine:
         self.scheduler.remove(seq)
         seq.finish_reason = "cancelled" if error.code is ErrorCode.CANCELLED else "error"
         self._counters["errors"] += 1
+        self.observer.request_failed(seq.adapter, error.code.value)
         self._emit(seq, GenerationOutput(
             request_id=seq.request_id, token_ids=[], context_ids=[], finished=True,
             finish_reason=seq.finish_reason, error=error, adapter=seq.adapter, adapter_sha256=seq.adapter_sha256))

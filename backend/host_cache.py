@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -25,13 +26,15 @@ log = logging.getLogger("manylora.host_cache")
 
 class HostAdapterCache:
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, page_elems: int, max_rank: int,
-                 capacity: int | None, pin_memory: bool, workers: int = 2) -> None:
+                 capacity: int | None, pin_memory: bool, workers: int = 2,
+                 on_load: Callable[[str, float], None] | None = None) -> None:
         self.cfg = cfg
         self.dtype = dtype
         self.page_elems = page_elems
         self.max_rank = max_rank
         self.capacity = capacity
         self.pin_memory = pin_memory
+        self.on_load = on_load
         self._lock = threading.Lock()
         self._entries: OrderedDict[tuple[str, str], PackedAdapter] = OrderedDict()
         self._loading: dict[tuple[str, str], Future] = {}
@@ -104,10 +107,13 @@ class HostAdapterCache:
             self._entries[key] = packed
             self._loading.pop(key, None)
             self.loads += 1
-            self.load_seconds += time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            self.load_seconds += seconds
             while self.capacity is not None and len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
                 self.evictions += 1
+        if self.on_load is not None:
+            self.on_load(spec.name, seconds)
 
     def stats(self) -> dict:
         with self._lock:

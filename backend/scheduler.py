@@ -12,6 +12,7 @@ back to the front of the queue, recomputed later).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -109,6 +110,8 @@ class Scheduler:
             del self.waiting[i]
             self.pages.allocate(seq, self.kv.pages_needed(seq.num_computed + n))
             seq.status = Status.RUNNING
+            if seq.admitted_at is None:
+                seq.admitted_at = time.perf_counter()
             self.running.append(seq)
             plan.append(ScheduledChunk(seq, n))
             budget -= n

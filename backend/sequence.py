@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from enum import Enum
 
 import torch
@@ -42,6 +43,9 @@ class Sequence:
         self.released = 0  # output tokens already sent
         self.finish_reason: str | None = None
         self.stop_at_char: int | None = None  # where a matched stop string begins in the text
+        self.submitted_at = time.perf_counter()
+        self.admitted_at: float | None = None
+        self.last_token_at: float | None = None
 
     @property
     def request_id(self) -> str:

@@ -1,0 +1,87 @@
+# manylora: `make serve` (environment + embedded default model + Triton server), `make test`.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON_SYS ?= python3
+VENV       := .venv
+PY         := $(VENV)/bin/python
+PIP        := $(VENV)/bin/pip
+STAMP      := $(VENV)/.manylora-installed
+
+DEFAULT_DIR  := build/default
+BASE_MODEL   ?=
+ADAPTERS     ?=
+HTTP_PORT    ?= 8000
+GRPC_PORT    ?= 8001
+METRICS_PORT ?= 8002
+
+# Engine knobs (empty: the engine's default); passed to the generator's config.pbtxt.
+DEVICE                 ?=
+DTYPE                  ?=
+MAX_LORA_RANK          ?=
+MAX_LORAS              ?=
+MAX_CPU_LORAS          ?=
+MAX_NUM_SEQS           ?=
+MAX_NUM_BATCHED_TOKENS ?=
+MAX_MODEL_LEN          ?=
+PAGE_SIZE              ?=
+NUM_KV_PAGES           ?=
+GPU_MEMORY_FRACTION    ?=
+MAX_QUEUE_SIZE         ?=
+
+ENGINE_PARAMS := \
+  --param device=$(DEVICE) --param dtype=$(DTYPE) --param max_lora_rank=$(MAX_LORA_RANK) \
+  --param max_loras=$(MAX_LORAS) --param max_cpu_loras=$(MAX_CPU_LORAS) --param max_num_seqs=$(MAX_NUM_SEQS) \
+  --param max_num_batched_tokens=$(MAX_NUM_BATCHED_TOKENS) --param max_model_len=$(MAX_MODEL_LEN) \
+  --param page_size=$(PAGE_SIZE) --param num_kv_pages=$(NUM_KV_PAGES) \
+  --param gpu_memory_fraction=$(GPU_MEMORY_FRACTION) --param max_queue_size=$(MAX_QUEUE_SIZE)
+
+# With BASE_MODEL given, the embedded default is neither built nor used.
+ifeq ($(strip $(BASE_MODEL)),)
+SERVE_DEPS     := default-model
+SERVE_MODEL    := --base-model $(DEFAULT_DIR)/base --adapters $(or $(ADAPTERS),$(DEFAULT_DIR)/catalogue.json)
+else
+SERVE_DEPS     :=
+SERVE_MODEL    := --base-model $(BASE_MODEL) --adapters "$(ADAPTERS)"
+endif
+
+.PHONY: help venv default-model serve test lint format clean
+
+help:
+	@echo "make serve    environment + embedded default model + Triton server on :$(HTTP_PORT)/:$(GRPC_PORT)"
+	@echo "              (BASE_MODEL=<hf dir> ADAPTERS=<catalogue.json> to serve your own; engine knobs:"
+	@echo "               DEVICE DTYPE MAX_LORA_RANK MAX_LORAS MAX_CPU_LORAS MAX_NUM_SEQS PAGE_SIZE ...)"
+	@echo "make test     the whole test suite (end-to-end against the real server included) + ruff"
+	@echo "make lint     ruff"
+	@echo "make default-model   build the embedded default into $(DEFAULT_DIR)"
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON_SYS) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install torch==2.13.0 numpy==1.26.4 transformers==5.24.0 peft==0.21.2 safetensors tokenizers triton \
+	  "tritonclient[grpc,http]>=2.52" pytest pytest-timeout hypothesis ruff locust
+	$(PIP) install --no-deps nvidia-pytriton==0.7.0
+	$(PIP) install --no-deps -e .
+	@touch $@
+
+default-model: venv
+	$(PY) -m backend.embedded.build --out $(DEFAULT_DIR)
+
+serve: venv $(SERVE_DEPS)
+	$(PY) scripts/serve.py $(SERVE_MODEL) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
+	  --metrics-port $(METRICS_PORT) $(ENGINE_PARAMS)
+
+test: venv
+	$(PY) -m pytest -q
+	$(VENV)/bin/ruff check .
+
+lint: venv
+	$(VENV)/bin/ruff check .
+
+format: venv
+	$(VENV)/bin/ruff format .
+
+clean:
+	rm -rf build .pytest_cache .ruff_cache

@@ -1,0 +1,89 @@
+"""Command line: generate (streamed), list adapters, engine stats, against a running server.
+
+python -m client generate --adapter shout "In the morning the baker"
+python -m client generate --no-stream --max-tokens 40 "In the morning the baker"
+python -m client adapters list [--full]
+python -m client stats
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from client.api import ManyLoraClient, ManyLoraError
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m client", description="manylora client")
+    ap.add_argument("--url", default="localhost:8001", help="gRPC endpoint host:port (default %(default)s)")
+    ap.add_argument("--http-url", default="localhost:8000", help="HTTP endpoint host:port (default %(default)s)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each response")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="continue a prompt, streaming the text as it arrives")
+    gen.add_argument("prompt")
+    gen.add_argument("--adapter", "--lora", default=None, help="adapter name (default: the base model)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=None, help="0: greedy (the default)")
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    gen.add_argument("--no-stream", action="store_true", help="one HTTP /generate call instead of gRPC streaming")
+
+    adapters = sub.add_parser("adapters", help="adapters of the running server")
+    adapters_sub = adapters.add_subparsers(dest="adapters_command", required=True)
+    listing = adapters_sub.add_parser("list", help="name, rank, target modules, sha256")
+    listing.add_argument("--full", action="store_true", help="print the whole sha256")
+    listing.add_argument("--json", action="store_true", help="print JSON")
+
+    sub.add_parser("stats", help="the engine's counters (JSON)")
+    return ap
+
+
+def format_adapters(adapters: list[dict], full: bool = False) -> str:
+    rows = [("NAME", "RANK", "TARGET MODULES", "SHA256")]
+    for a in adapters:
+        sha = a.get("sha256", "") if full else a.get("sha256", "")[:12]
+        rows.append((a["name"], str(a.get("rank", "")), ",".join(a.get("target_modules", [])), sha))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths, strict=True)) + "  " + row[3]
+        for row in rows
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    client = ManyLoraClient(grpc_url=args.url, http_url=args.http_url, timeout=args.timeout)
+    try:
+        if args.command == "generate":
+            sampling = {
+                "adapter": args.adapter,
+                "max_tokens": args.max_tokens,
+                "temperature": args.temperature,
+                "top_k": args.top_k,
+                "top_p": args.top_p,
+                "seed": args.seed,
+                "stop": args.stop,
+            }
+            if args.no_stream:
+                print(client.generate(args.prompt, **sampling))
+            else:
+                for piece in client.stream(args.prompt, **sampling):
+                    print(piece, end="", flush=True)
+                print()
+        elif args.command == "adapters":
+            adapters = client.list_adapters()
+            print(json.dumps(adapters, indent=2) if args.json else format_adapters(adapters, args.full))
+        elif args.command == "stats":
+            print(json.dumps(client.stats(), indent=2))
+    except ManyLoraError as e:
+        print(f"error: {e.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0

@@ -1,0 +1,71 @@
+"""decode_chunk over streamed chunks of byte-level BPE tokens that split multi-byte characters.
+
+Chunks are cut where the engine cuts them (IncrementalDecoder.clean_prefix_len: never inside
+a UTF-8 character); the concatenated chunk texts must equal decoding everything at once.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from backend.detokenize import CONTEXT_TOKENS, IncrementalDecoder, decode_chunk
+from model_factory import train_tokenizer
+
+WORDS = ["the", " baker", " café", " crème", " brûlée", " ñ", "!"]
+WORDS += [" 東京", " ありがとう", " καλημέρα", " 🙂", " Москва"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer(vocab_size=300)
+
+
+def _stream_chunks(tokenizer, prompt_ids: list[int], ids: list[int], rng: random.Random) -> list[str]:
+    """Texts of the chunks an engine would release, token by token with random pauses."""
+    decoder = IncrementalDecoder(tokenizer)
+    released, texts = 0, []
+    for i, token in enumerate(ids):
+        decoder.append(token)
+        last = i == len(ids) - 1
+        if not last and rng.random() < 0.3:  # the engine does not release after every token
+            continue
+        n = len(ids) if last else decoder.clean_prefix_len()
+        if n <= released:
+            continue
+        context = (prompt_ids + ids[:released])[-CONTEXT_TOKENS:]
+        texts.append(decode_chunk(tokenizer, ids[released:n], context))
+        released = n
+    return texts
+
+
+def test_chunks_concatenate_to_the_whole_text(tokenizer):
+    rng = random.Random(0)
+    split_chars = 0
+    for _ in range(300):
+        text = "".join(rng.choice(WORDS) for _ in range(rng.randint(1, 12)))
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        prompt_ids = tokenizer.encode("the baker", add_special_tokens=True).ids
+        # per-token decoding shows the characters really are split across tokens
+        split_chars += sum("\ufffd" in tokenizer.decode([t]) for t in ids)
+        chunks = _stream_chunks(tokenizer, prompt_ids, ids, rng)
+        assert "".join(chunks) == tokenizer.decode(ids) == text
+        assert all("\ufffd" not in c for c in chunks), chunks
+    assert split_chars > 100
+
+
+def test_random_token_streams(tokenizer):
+    """Arbitrary token ids (not from encoding text): equal to decoding all at once, once complete."""
+    rng = random.Random(1)
+    vocab = tokenizer.get_vocab_size()
+    for _ in range(300):
+        ids = [rng.randrange(2, vocab) for _ in range(rng.randint(1, 20))]
+        chunks = _stream_chunks(tokenizer, [0], ids, rng)
+        assert "".join(chunks) == tokenizer.decode(ids)
+
+
+def test_strip_chars_and_empty(tokenizer):
+    ids = tokenizer.encode(" crème brûlée", add_special_tokens=False).ids
+    assert decode_chunk(tokenizer, ids, [], strip_chars=3) == " crème brû"
+    assert decode_chunk(tokenizer, [], ids) == ""
