@@ -30,7 +30,7 @@ from backend.host_cache import HostAdapterCache
 from backend.kv_cache import PagedKVCache
 from backend.loader import resolve_dtype
 from backend.lora_batch import LoraBatch
-from backend.model_config import PROJECTIONS, ModelConfig
+from backend.model_config import ModelConfig
 from backend.models.llama import LlamaModel
 from backend.observer import EngineObserver, NullObserver
 from backend.request import EmitFn, GenerationOutput, GenerationRequest
@@ -38,13 +38,13 @@ from backend.resolvers import load_resolvers
 from backend.sampling import make_generator, sample_next
 from backend.scheduler import ScheduledChunk, Scheduler
 from backend.sequence import Sequence
+from backend.sizing import adapter_pages, pool_pages_from_free
 from backend.step_batch import DecodeRows, SequenceSlice, StepBatch
-from backend.unified_pool import UnifiedPool, page_bytes, page_elements
+from backend.unified_pool import UnifiedPool, page_bytes
 
 log = logging.getLogger("manylora.engine")
 
 CPU_POOL_BYTES_CAP = 2 << 30  # without a GPU, the pool takes at most this much host memory
-GPU_MARGIN_BYTES = 2 << 30  # left free on the GPU for activations of the largest step
 PREFETCH_LOOKAHEAD = 64  # waiting requests whose adapters are loaded ahead
 
 
@@ -152,15 +152,13 @@ class Engine:
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
             free, _total = torch.cuda.mem_get_info()
-            return max(1, int((free * c.gpu_memory_fraction - GPU_MARGIN_BYTES) // size))
+            return pool_pages_from_free(free, c.gpu_memory_fraction, size)
         kv_pages = c.max_num_seqs * -(-self.max_len // c.page_size)
         return max(1, min(kv_pages + c.max_loras * self._max_rank_adapter_pages(), CPU_POOL_BYTES_CAP // size))
 
     def _max_rank_adapter_pages(self) -> int:
         """Pages of an adapter of rank max_lora_rank on every projection of every layer."""
-        cfg, r = self.model_config, self.config.max_lora_rank
-        row_elems = sum(r * sum(cfg.projection_shape(m)) for m in PROJECTIONS)
-        return -(-row_elems * cfg.num_layers // page_elements(cfg, self.config.page_size))
+        return adapter_pages(self.model_config, self.config.max_lora_rank, self.config.page_size)
 
     def _capture_graphs(self) -> None:
         t0 = time.perf_counter()
@@ -178,9 +176,8 @@ class Engine:
                  pool.num_pages, mb, c.page_size, pool.num_pages * c.page_size)
         for rank in sorted({8, 16, 64, c.max_lora_rank}):
             if rank <= c.max_lora_rank:
-                row_elems = sum(rank * sum(cfg.projection_shape(m)) for m in PROJECTIONS) * cfg.num_layers
-                log.info("  a rank-%d adapter on all 7 projections takes about %d pages",
-                         rank, -(-row_elems // pool.page_elems))
+                log.info("  a rank-%d adapter on all 7 projections takes %d pages",
+                         rank, adapter_pages(cfg, rank, c.page_size))
 
     # ------------------------------------------------------------- admission
     def validate(self, request: GenerationRequest) -> AdapterSpec | None:

@@ -136,3 +136,98 @@ def ref_paged_decode_attention(
         w = torch.softmax(scores, dim=-1)
         out[b] = torch.einsum("hn,nhd->hd", w, v).to(out.dtype)
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Fused MoE (SwiGLU experts) and MoE-LoRA references.
+# ----------------------------------------------------------------------------------------------
+
+__all__ += ["ref_fused_moe", "ref_fused_moe_lora"]
+
+
+def _ref_moe_core(x, w13, w2, topk_ids, topk_weights, lora_delta13=None, lora_delta2=None) -> torch.Tensor:
+    """Per-expert loop; ``lora_delta*(tokens, e, inp)`` return the fp32 LoRA delta of those pairs."""
+    num_tokens, hidden = x.shape
+    inter = w13.shape[1] // 2
+    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
+    xf = x.float()
+    for e in range(w13.shape[0]):
+        tokens, ks = torch.nonzero(topk_ids.long() == e, as_tuple=True)
+        if tokens.numel() == 0:
+            continue
+        gu = xf[tokens] @ w13[e].float().T  # [n, 2I]
+        if lora_delta13 is not None:
+            gu = gu + lora_delta13(tokens, e, xf[tokens])
+        h = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+        y = h @ w2[e].float().T  # [n, H]
+        if lora_delta2 is not None:
+            y = y + lora_delta2(tokens, e, h)
+        out.index_add_(0, tokens, topk_weights[tokens, ks].float()[:, None] * y)
+    return out.to(x.dtype)
+
+
+def ref_fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> torch.Tensor:
+    """Reference of ``kernels.fused_moe.fused_moe`` (fp32, one loop over experts).
+
+    out[t] = sum_k topk_weights[t, k] * w2[e] @ (silu(g) * u),  (g, u) = split(w13[e] @ x[t], I),
+    e = topk_ids[t, k]; w13 [E, 2I, H] holds gate rows then up rows.
+    """
+    return _ref_moe_core(x, w13, w2, topk_ids, topk_weights)
+
+
+def ref_fused_moe_lora(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    pool: torch.Tensor,
+    a13_offsets: torch.Tensor,
+    b13_offsets: torch.Tensor,
+    a2_offsets: torch.Tensor,
+    b2_offsets: torch.Tensor,
+    ranks: torch.Tensor,
+    scalings: torch.Tensor,
+    token_slots: torch.Tensor,
+) -> torch.Tensor:
+    """Reference of ``kernels.fused_moe_lora.fused_moe_lora_forward`` (fp32, loops over experts and slots).
+
+    For pair (t, k), e = topk_ids[t, k], s = token_slots[t] >= 0, r = ranks[s]:
+    the w13 output gains scalings[s] * concat_i(Bt13_{i,s,e}.T @ (A13_{i,s,e} @ x[t])) (slice i =
+    columns [i * 2I / NS, (i + 1) * 2I / NS)) before the activation, and the w2 output gains
+    scalings[s] * Bt2_{s,e}.T @ (A2_{s,e} @ h) before the routing-weighted sum. Offsets tables:
+    a13/b13 [S, E, R] or [NS, S, E, R]; a2/b2 [S, E, R]; rows gathered from the flat pool.
+    """
+    hidden = x.shape[1]
+    inter = w13.shape[1] // 2
+    a13 = a13_offsets if a13_offsets.dim() == 4 else a13_offsets.unsqueeze(0)
+    b13 = b13_offsets if b13_offsets.dim() == 4 else b13_offsets.unsqueeze(0)
+    width13 = 2 * inter // a13.shape[0]
+    slots_of = token_slots.long()
+
+    def make_delta(a_tabs, b_tabs, in_width, out_width):
+        def delta(tokens, e, inp):
+            d = torch.zeros(tokens.numel(), out_width * a_tabs.shape[0], dtype=torch.float32, device=x.device)
+            tok_slots = slots_of[tokens]
+            for s in sorted(set(tok_slots.tolist()) - {-1}):
+                sel = torch.nonzero(tok_slots == s).flatten()
+                r = int(ranks[s])
+                for i in range(a_tabs.shape[0]):
+                    a = _gather_rows(pool, a_tabs[i, s, e, :r], in_width)  # [r, in]
+                    bt = _gather_rows(pool, b_tabs[i, s, e, :r], out_width)  # [r, out]
+                    d[sel, i * out_width : (i + 1) * out_width] = float(scalings[s]) * ((inp[sel] @ a.T) @ bt)
+            return d
+
+        return delta
+
+    return _ref_moe_core(
+        x, w13, w2, topk_ids, topk_weights,
+        lora_delta13=make_delta(a13, b13, hidden, width13),
+        lora_delta2=make_delta(a2_offsets.unsqueeze(0), b2_offsets.unsqueeze(0), inter, hidden),
+    )  # fmt: skip

@@ -1,0 +1,122 @@
+"""How much fits: pool pages, pages per adapter rank class, KV tokens, batch sizes.
+
+One home for the sizing math: the engine sizes its pool with it, and the capacity planner
+(python -m client plan) answers "how many adapters and how much KV fit" with it offline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from backend.adapter import AdapterSpec
+from backend.adapter_packing import pages_for
+from backend.model_config import PROJECTIONS, ModelConfig
+from backend.unified_pool import element_size, page_bytes, page_elements
+
+GPU_MARGIN_BYTES = 2 << 30  # left free on the GPU for the largest step's activations and CUDA graphs
+CUDA_CONTEXT_BYTES = 1 << 30  # what the CUDA context and torch take before the weights (planner estimate)
+
+
+def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of the base model's weights as the engine holds them."""
+    per_layer = sum(i * o for i, o in (cfg.projection_shape(m) for m in PROJECTIONS)) + 2 * cfg.hidden_size
+    if cfg.qk_norm:
+        per_layer += 2 * cfg.head_dim
+    if cfg.qkv_bias:
+        per_layer += (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    return (cfg.num_layers * per_layer + embeddings + cfg.hidden_size) * element_size(dtype)
+
+
+def pool_pages_from_free(free_bytes: int, fraction: float, page_size_bytes: int,
+                         margin: int = GPU_MARGIN_BYTES) -> int:
+    """Pages the pool takes from what the GPU has free after the weights load."""
+    return max(1, int((free_bytes * fraction - margin) // page_size_bytes))
+
+
+def synthetic_spec(cfg: ModelConfig, rank: int, targets: tuple[str, ...] = PROJECTIONS) -> AdapterSpec:
+    """An adapter of one rank on ``targets`` of every layer (for sizing; no files)."""
+    layer_ranks = {(layer, m): rank for layer in range(cfg.num_layers) for m in targets}
+    return AdapterSpec(name=f"rank{rank}", path="", sha256="", rank=rank, ranks=dict.fromkeys(targets, rank),
+                       target_modules=tuple(targets), layers=tuple(range(cfg.num_layers)),
+                       scaling=dict.fromkeys(layer_ranks, 1.0), layer_ranks=layer_ranks)
+
+
+def adapter_pages(cfg: ModelConfig, rank: int, page_size: int, targets: tuple[str, ...] = PROJECTIONS) -> int:
+    return pages_for(synthetic_spec(cfg, rank, targets), cfg, page_elements(cfg, page_size))
+
+
+def adapter_weight_bytes(cfg: ModelConfig, rank: int, dtype: torch.dtype,
+                         targets: tuple[str, ...] = PROJECTIONS) -> int:
+    return rank * sum(sum(cfg.projection_shape(m)) for m in targets) * cfg.num_layers * element_size(dtype)
+
+
+@dataclass
+class RankClassPlan:
+    rank: int
+    count: int
+    weight_bytes: int  # one adapter's A and B
+    pool_pages: int  # one adapter resident in the pool
+    pool_bytes: int
+
+
+@dataclass
+class CapacityPlan:
+    gpu_memory_bytes: int
+    weight_bytes: int
+    page_size: int
+    page_bytes: int
+    pool_pages: int
+    pool_bytes: int
+    kv_tokens_if_no_adapters: int
+    rank_classes: list[RankClassPlan]
+    catalogue_pool_pages: int  # every adapter of the catalogue resident at once
+    max_resident_adapters: int  # of the catalogue's mix, if KV took nothing
+    hot_adapter_pages: int  # max_loras adapters of the largest rank resident
+    kv_tokens_with_hot_adapters: int
+    tokens_per_request: int
+    max_batch: int  # requests of tokens_per_request that fit beside the hot adapters
+    recommended: dict
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan_capacity(cfg: ModelConfig, gpu_memory_bytes: int, ranks: dict[int, int], *, dtype: torch.dtype,
+                  page_size: int = 16, max_loras: int = 32, prompt_len: int = 512, output_len: int = 512,
+                  gpu_memory_fraction: float = 0.85, host_memory_bytes: int = 64 << 30,
+                  targets: tuple[str, ...] = PROJECTIONS) -> CapacityPlan:
+    """What fits on one GPU of ``gpu_memory_bytes`` for a catalogue with ``ranks`` {rank: count}."""
+    weights = weight_bytes(cfg, dtype)
+    free = gpu_memory_bytes - weights - CUDA_CONTEXT_BYTES
+    psize = page_bytes(cfg, page_size, dtype)
+    pool_pages = pool_pages_from_free(free, gpu_memory_fraction, psize) if free > 0 else 0
+    classes = []
+    for rank, count in sorted(ranks.items()):
+        pages = adapter_pages(cfg, rank, page_size, targets)
+        classes.append(RankClassPlan(rank, count, adapter_weight_bytes(cfg, rank, dtype, targets), pages,
+                                     pages * psize))
+    catalogue_pages = sum(c.pool_pages * c.count for c in classes)
+    total = sum(c.count for c in classes)
+    mean_pages = catalogue_pages / total if total else 0
+    max_resident = int(pool_pages // mean_pages) if mean_pages else 0
+    largest = max(classes, key=lambda c: c.pool_pages) if classes else None
+    hot = min(max_loras, total) * (largest.pool_pages if largest else 0)
+    kv_tokens = max(0, pool_pages - hot) * page_size
+    per_request = prompt_len + output_len
+    pages_per_request = -(-per_request // page_size)
+    max_batch = max(0, pool_pages - hot) // pages_per_request
+    host_per_adapter = max((c.pool_bytes for c in classes), default=1)
+    recommended = {
+        "max_loras": min(max_loras, max_resident, total) if total else max_loras,
+        "max_cpu_loras": min(total, host_memory_bytes // host_per_adapter) if total else 0,
+        "max_num_seqs": min(256, max_batch),
+        "max_lora_rank": max(ranks) if ranks else 16,
+        "page_size": page_size,
+        "gpu_memory_fraction": gpu_memory_fraction,
+    }
+    return CapacityPlan(gpu_memory_bytes, weights, page_size, psize, pool_pages, pool_pages * psize,
+                        pool_pages * page_size, classes, catalogue_pages, max_resident, hot, kv_tokens,
+                        per_request, max_batch, recommended)

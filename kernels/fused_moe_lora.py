@@ -1,0 +1,544 @@
+"""Fused MoE-LoRA: per-(adapter, expert) LoRA on the expert projections, folded into the fused MoE path.
+
+Each token t may carry an adapter slot s = token_slots[t] (-1 = none). An adapter holds, for
+every expert e, LoRA matrices for the fused gate/up projection (A13, B13) and for the down
+projection (A2, B2). For a pair (t, k) routed to expert e::
+
+    gu   = w13[e] @ x[t] + scaling_s * B13_{s,e} @ (A13_{s,e} @ x[t])       # before the activation
+    h    = silu(gu[:I]) * gu[I:]
+    y    = w2[e] @ h + scaling_s * B2_{s,e} @ (A2_{s,e} @ h)                  # before the weighted sum
+    out[t] += topk_weights[t, k] * y
+
+w13 may carry its LoRA as one slice (A13 [r, H], B13 [2I, r]) or as two slices, gate and up,
+each with its own A [r, H] and B [I, r] (PEFT adapters that target gate_proj and up_proj
+separately): slice i adds into columns [i * 2I / NS, (i + 1) * 2I / NS) of the w13 output.
+
+Paged adapter rows (as in ``kernels.lora_shrink``/``lora_expand``): row k of A_{s,e} (length =
+the projection's input width) starts at pool element ``a_offsets[slice, s, e, k]``; B is stored
+transposed, row k of B^T (= B[:, k], length = the slice's output width) at
+``b_offsets[slice, s, e, k]``. One rank per adapter (``ranks[s]``), one scaling (``scalings[s]``).
+
+Kernel family. Next to the base grouped GEMM (``kernels.fused_moe``), two kernels run over a
+second alignment of the same pairs, keyed by the virtual expert ``slot * E + expert`` (pairs of
+slot -1 dropped; see ``kernels.moe_align``), so every block reads exactly one (adapter, expert)
+pair of LoRA matrices:
+
+* shrink: y[slice, pair, :r] = A_{s,e} @ a_in[row(pair)], a tl.dot tile per block, split-K along
+  the input width (the rank is skinny, so the K chunks are spread over programs and combined
+  with tl.atomic_add into a zeroed fp32 buffer);
+* expand: out[pair, slice cols] += scaling_s * (y @ B^T) (* routing weight for w2), added in
+  place into the base GEMM's output, each element read and written once.
+
+No Python loop over experts or adapters; lengths are not specialised (``do_not_specialize``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.fused_moe import check_moe_args, fused_moe, fused_moe_gemm, moe_gemm_config, moe_reduce, silu_and_mul
+from kernels.lora_meta import check_shape, check_tensor
+from kernels.moe_align import MoeAlignment, moe_align_block_size
+
+__all__ = [
+    "MoeLora",
+    "fused_moe_lora_forward",
+    "moe_lora_shrink",
+    "moe_lora_expand",
+    "moe_lora_shrink_config",
+    "moe_lora_expand_config",
+]
+
+
+@dataclass(frozen=True)
+class MoeLora:
+    """The adapters of one MoE layer and the batch's adapter mapping.
+
+    Attributes:
+        pool: [P], 1-D contiguous, dtype of x: flat pool holding all rank rows.
+        a13_offsets: int64 [S, E, R_max] (one slice) or [NS, S, E, R_max] (NS = 2: gate, up):
+            pool offset of row k of A13 (length H); entries k >= ranks[s] are not read.
+        b13_offsets: int64, same shape as ``a13_offsets``: row k of B13^T (length 2I / NS).
+        a2_offsets: int64 [S, E, R_max]: row k of A2 (length I).
+        b2_offsets: int64 [S, E, R_max]: row k of B2^T (length H).
+        ranks: int32 [S], each in 1..R_max.
+        scalings: float32 [S] (alpha / r).
+        token_slots: int32 [T]: slot of each token, -1 = no adapter.
+    """
+
+    pool: torch.Tensor
+    a13_offsets: torch.Tensor
+    b13_offsets: torch.Tensor
+    a2_offsets: torch.Tensor
+    b2_offsets: torch.Tensor
+    ranks: torch.Tensor
+    scalings: torch.Tensor
+    token_slots: torch.Tensor
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _moe_lora_shrink_kernel(
+    # pointers
+    a_ptr,  # [rows, K_DIM]: x (row = pair // rows_div) or h (row = pair)
+    pool_ptr,  # flat pool
+    a_offsets_ptr,  # int64 [NS, S, E, R_MAX]
+    ranks_ptr,  # int32 [S]
+    sorted_pair_ids_ptr,  # int32 [max_blocks * BLOCK_M]
+    block_vexpert_ids_ptr,  # int32 [max_blocks]: slot * E + expert
+    num_post_padded_ptr,  # int32 [1]
+    y_ptr,  # fp32 [NS, num_pairs, R_MAX], zeroed, accumulated
+    # sizes
+    num_pairs,
+    num_experts,
+    k_size,
+    rows_div,
+    # strides
+    stride_am,
+    stride_ak,
+    stride_os,
+    stride_oslot,
+    stride_oe,
+    stride_or,
+    stride_ys,
+    stride_ym,
+    stride_yr,
+    # meta-parameters
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    NUM_R_BLOCKS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    slice_id = tl.program_id(2) // NUM_R_BLOCKS
+    pid_r = tl.program_id(2) % NUM_R_BLOCKS
+    num_post_padded = tl.load(num_post_padded_ptr)
+    if pid_m * BLOCK_M >= num_post_padded:
+        return
+    vexpert = tl.load(block_vexpert_ids_ptr + pid_m)
+    if vexpert < 0:
+        return
+    slot = (vexpert // num_experts).to(tl.int64)
+    expert = (vexpert % num_experts).to(tl.int64)
+    rank = tl.load(ranks_ptr + slot)
+    if pid_r * BLOCK_R >= rank:
+        return
+    k_per_split = tl.cdiv(tl.cdiv(k_size, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_start = pid_k * k_per_split
+    if k_start >= k_size:
+        return
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pair_ids_ptr + offs_m)
+    m_mask = pairs < num_pairs
+    pairs = tl.where(m_mask, pairs, 0).to(tl.int64)
+    rows = pairs // rows_div
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    row_offs = tl.load(
+        a_offsets_ptr + slice_id * stride_os + slot * stride_oslot + expert * stride_oe + offs_r * stride_or,
+        mask=r_mask,
+        other=0,
+    ).to(tl.int64)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, k_size), BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_size
+        x = tl.load(
+            a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
+            mask=m_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        a = tl.load(
+            pool_ptr + row_offs[None, :] + offs_k[:, None],
+            mask=k_mask[:, None] & r_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_K, BLOCK_R] = A^T tile
+        acc += tl.dot(x.to(a.dtype), a, input_precision=DOT_PRECISION)
+    tl.atomic_add(
+        y_ptr + slice_id * stride_ys + pairs[:, None] * stride_ym + offs_r[None, :] * stride_yr,
+        acc,
+        mask=m_mask[:, None] & r_mask[None, :],
+        sem="relaxed",
+    )
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _moe_lora_expand_kernel(
+    # pointers
+    y_ptr,  # fp32 [NS, num_pairs, R_MAX]
+    pool_ptr,  # flat pool
+    b_offsets_ptr,  # int64 [NS, S, E, R_MAX]
+    ranks_ptr,  # int32 [S]
+    scalings_ptr,  # fp32 [S]
+    sorted_pair_ids_ptr,  # int32 [max_blocks * BLOCK_M]
+    block_vexpert_ids_ptr,  # int32 [max_blocks]
+    num_post_padded_ptr,  # int32 [1]
+    topk_weights_ptr,  # fp32 [num_pairs] (read with MUL_ROUTED_WEIGHT)
+    out_ptr,  # [num_pairs, NS * slice_width], modified in place
+    # sizes
+    num_pairs,
+    num_experts,
+    slice_width,
+    # strides
+    stride_ys,
+    stride_ym,
+    stride_yr,
+    stride_bs,
+    stride_bslot,
+    stride_be,
+    stride_br,
+    stride_om,
+    stride_on,
+    # meta-parameters
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_N_BLOCKS: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    slice_id = tl.program_id(1) // NUM_N_BLOCKS
+    pid_n = tl.program_id(1) % NUM_N_BLOCKS
+    num_post_padded = tl.load(num_post_padded_ptr)
+    if pid_m * BLOCK_M >= num_post_padded:
+        return
+    vexpert = tl.load(block_vexpert_ids_ptr + pid_m)
+    if vexpert < 0:
+        return
+    slot = (vexpert // num_experts).to(tl.int64)
+    expert = (vexpert % num_experts).to(tl.int64)
+    rank = tl.load(ranks_ptr + slot)
+    scaling = tl.load(scalings_ptr + slot)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pair_ids_ptr + offs_m)
+    m_mask = pairs < num_pairs
+    pairs = tl.where(m_mask, pairs, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < slice_width
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < rank
+        y = tl.load(
+            y_ptr + slice_id * stride_ys + pairs[:, None] * stride_ym + offs_r[None, :] * stride_yr,
+            mask=m_mask[:, None] & r_mask[None, :],
+            other=0.0,
+        )
+        row_offs = tl.load(
+            b_offsets_ptr + slice_id * stride_bs + slot * stride_bslot + expert * stride_be + offs_r * stride_br,
+            mask=r_mask,
+            other=0,
+        ).to(tl.int64)
+        b = tl.load(
+            pool_ptr + row_offs[:, None] + offs_n[None, :],
+            mask=r_mask[:, None] & n_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_R, BLOCK_N] = B^T tile
+        # fp32 pool: exact fp32 dot; 16-bit pool: y rounded to the pool dtype, fp32 accumulation
+        acc += tl.dot(y.to(b.dtype), b, input_precision=DOT_PRECISION)
+    acc = acc * scaling
+    if MUL_ROUTED_WEIGHT:
+        rw = tl.load(topk_weights_ptr + pairs, mask=m_mask, other=0.0)
+        acc = acc * rw.to(tl.float32)[:, None]
+
+    cols = (slice_id * slice_width + offs_n).to(tl.int64)
+    out_ptrs = out_ptr + pairs[:, None] * stride_om + cols[None, :] * stride_on
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    base = tl.load(out_ptrs, mask=out_mask, other=0.0)
+    tl.store(out_ptrs, (base.to(tl.float32) + acc).to(base.dtype), mask=out_mask)
+
+
+def moe_lora_shrink_config(
+    num_pairs: int, num_experts: int, k_size: int, max_rank: int, num_slices: int, block_m: int
+) -> dict[str, int]:
+    """Block sizes and split-K for ``moe_lora_shrink`` (plain heuristic; tl.dot tiles >= 16).
+
+    Split-K spreads the input width over programs until there are roughly two waves of an H100/
+    H200 (132 SMs) worth of programs, estimating the used blocks from the pair count.
+    """
+    block_k = min(64, max(16, triton.next_power_of_2(k_size)))
+    block_r = min(64, max(16, triton.next_power_of_2(max_rank)))
+    k_chunks = triton.cdiv(k_size, block_k)
+    est_blocks = max(1, min(num_pairs, triton.cdiv(num_pairs, block_m) + num_experts)) * num_slices
+    split_k = max(1, min(16, k_chunks, triton.next_power_of_2(triton.cdiv(264, est_blocks))))
+    return {"BLOCK_M": block_m, "BLOCK_R": block_r, "BLOCK_K": block_k, "SPLIT_K": split_k, "num_warps": 4}
+
+
+def moe_lora_expand_config(slice_width: int, max_rank: int, block_m: int) -> dict[str, int]:
+    """Block sizes for ``moe_lora_expand`` (plain heuristic; tl.dot tiles >= 16)."""
+    block_n = min(128 if block_m <= 32 else 64, max(16, triton.next_power_of_2(slice_width)))
+    return {"BLOCK_M": block_m, "BLOCK_R": 16, "BLOCK_N": block_n, "num_warps": 4}
+
+
+def _offsets4(name: str, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    check_tensor(name, t, dtype=torch.int64, dims=(3, 4), device=device)
+    return t.unsqueeze(0) if t.dim() == 3 else t
+
+
+def _check_lora_align(align: MoeAlignment, num_slots: int, num_experts: int, block_m: int) -> None:
+    if not isinstance(align, MoeAlignment):
+        raise TypeError(f"align must be a MoeAlignment, got {type(align).__name__}")
+    if align.num_experts != num_slots * num_experts:
+        raise ValueError(
+            f"align has {align.num_experts} (virtual) experts, expected S * E = {num_slots} * {num_experts}: "
+            "build it with moe_align_block_size(..., token_slots=, num_slots=)"
+        )
+    if align.block_m != block_m:
+        raise ValueError(f"config BLOCK_M {block_m} != alignment block_m {align.block_m}")
+
+
+def moe_lora_shrink(
+    a_in: torch.Tensor,
+    pool: torch.Tensor,
+    a_offsets: torch.Tensor,
+    ranks: torch.Tensor,
+    align: MoeAlignment,
+    y: torch.Tensor,
+    *,
+    rows_div: int,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """MoE-LoRA shrink over virtual-expert blocks, split-K, accumulated into ``y``.
+
+    Semantics::
+
+        for each block b of align, v = block_expert_ids[b], s, e = v // E, v % E:
+            for each pair p of block b (not padding), for i in range(NS):
+                r = ranks[s]
+                A = stack([pool[a_offsets[i, s, e, k] : ... + K_dim] for k in range(r)])   # [r, K_dim]
+                y[i, p, :r] += A.float() @ a_in[p // rows_div].float()
+
+    ``y`` must be zeroed by the caller (the split-K parts are atomically added). Entries past a
+    slot's rank and rows of pairs in no block are untouched.
+
+    Args:
+        a_in: [rows, K_dim], dtype of ``pool``; any strides.
+        pool: [P] 1-D contiguous flat pool.
+        a_offsets: int64 [S, E, R_max] or [NS, S, E, R_max].
+        ranks: int32 [S].
+        align: from ``moe_align_block_size(topk_ids, E, BLOCK_M, token_slots=, num_slots=S)``.
+        y: float32 [NS, num_pairs, R_max] (or [num_pairs, R_max] with 3-D offsets). Accumulated.
+        rows_div: pair p reads row ``p // rows_div`` of ``a_in`` (K for x, 1 for h).
+        config: keys of ``moe_lora_shrink_config``; BLOCK_M must equal ``align.block_m``.
+    """
+    check_tensor("a_in", a_in, dims=2)
+    device = a_in.device
+    check_tensor("pool", pool, dtype=a_in.dtype, dims=1, device=device)
+    if not pool.is_contiguous():
+        raise ValueError("pool must be contiguous")
+    a4 = _offsets4("a_offsets", a_offsets, device)
+    num_slices, num_slots, num_experts, max_rank = a4.shape
+    check_tensor("ranks", ranks, dtype=torch.int32, dims=1, device=device)
+    check_shape("ranks", ranks, (num_slots,))
+    check_tensor("y", y, dtype=torch.float32, dims=(2, 3), device=device)
+    y3 = y.unsqueeze(0) if y.dim() == 2 else y
+    check_shape("y", y3, (num_slices, align.num_pairs, max_rank))
+    k_size = a_in.shape[1]
+    cfg = dict(
+        config or moe_lora_shrink_config(align.num_pairs, num_experts, k_size, max_rank, num_slices, align.block_m)
+    )
+    _check_lora_align(align, num_slots, num_experts, cfg["BLOCK_M"])
+    if align.max_blocks == 0 or max_rank == 0 or k_size == 0:
+        return y
+    num_r_blocks = triton.cdiv(max_rank, cfg["BLOCK_R"])
+    grid = (align.max_blocks, cfg["SPLIT_K"], num_slices * num_r_blocks)
+    _moe_lora_shrink_kernel[grid](
+        a_in, pool, a4, ranks,
+        align.sorted_pair_ids, align.block_expert_ids, align.num_tokens_post_padded, y3,
+        align.num_pairs, num_experts, k_size, rows_div,
+        a_in.stride(0), a_in.stride(1),
+        a4.stride(0), a4.stride(1), a4.stride(2), a4.stride(3),
+        y3.stride(0), y3.stride(1), y3.stride(2),
+        NUM_R_BLOCKS=num_r_blocks,
+        DOT_PRECISION="ieee",
+        **cfg,
+    )  # fmt: skip
+    return y
+
+
+def moe_lora_expand(
+    y: torch.Tensor,
+    pool: torch.Tensor,
+    b_offsets: torch.Tensor,
+    ranks: torch.Tensor,
+    scalings: torch.Tensor,
+    align: MoeAlignment,
+    out: torch.Tensor,
+    *,
+    topk_weights: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """MoE-LoRA expand over virtual-expert blocks, added in place into the expert GEMM output.
+
+    Semantics::
+
+        W = out.shape[1] // NS                                      # slice width
+        for each block b of align, v = block_expert_ids[b], s, e = v // E, v % E:
+            for each pair p of block b (not padding), for i in range(NS):
+                r = ranks[s]
+                Bt = stack([pool[b_offsets[i, s, e, k] : ... + W] for k in range(r)])   # [r, W]
+                d = scalings[s] * (y[i, p, :r] @ Bt.float())
+                if topk_weights is not None:
+                    d *= topk_weights.flatten()[p]
+                out[p, i * W : (i + 1) * W] += d                    # fp32 add, one cast
+
+    Rows of pairs in no block (slot -1) are untouched.
+
+    Args:
+        y: float32 [NS, num_pairs, R_max] (or [num_pairs, R_max]): shrink output.
+        pool: [P] 1-D contiguous flat pool (fp16/bf16/fp32).
+        b_offsets: int64 [S, E, R_max] or [NS, S, E, R_max]: rows of B^T.
+        ranks: int32 [S]; scalings: float32 [S].
+        align: the virtual-expert alignment the shrink used.
+        out: [num_pairs, NS * W], any float dtype and strides. Modified in place.
+        topk_weights: optional fp32 [T, K]: multiply the delta of pair p by its routing weight.
+        config: keys of ``moe_lora_expand_config``; BLOCK_M must equal ``align.block_m``.
+    """
+    check_tensor("y", y, dtype=torch.float32, dims=(2, 3))
+    device = y.device
+    y3 = y.unsqueeze(0) if y.dim() == 2 else y
+    check_tensor("pool", pool, dims=1, device=device)
+    if not pool.is_contiguous():
+        raise ValueError("pool must be contiguous")
+    b4 = _offsets4("b_offsets", b_offsets, device)
+    num_slices, num_slots, num_experts, max_rank = b4.shape
+    check_shape("y", y3, (num_slices, align.num_pairs, max_rank))
+    check_tensor("ranks", ranks, dtype=torch.int32, dims=1, device=device)
+    check_shape("ranks", ranks, (num_slots,))
+    check_tensor("scalings", scalings, dtype=torch.float32, dims=1, device=device)
+    check_shape("scalings", scalings, (num_slots,))
+    check_tensor("out", out, dims=2, device=device)
+    if out.shape[0] != align.num_pairs or out.shape[1] % num_slices:
+        raise ValueError(
+            f"out must have shape ({align.num_pairs}, NS * W) with NS = {num_slices}, got {tuple(out.shape)}"
+        )
+    slice_width = out.shape[1] // num_slices
+    cfg = dict(config or moe_lora_expand_config(slice_width, max_rank, align.block_m))
+    _check_lora_align(align, num_slots, num_experts, cfg["BLOCK_M"])
+    if topk_weights is not None:
+        check_tensor("topk_weights", topk_weights, dtype=torch.float32, dims=2, device=device)
+        if topk_weights.numel() != align.num_pairs:
+            raise ValueError(f"topk_weights must hold {align.num_pairs} weights, got {tuple(topk_weights.shape)}")
+        rw = topk_weights.reshape(-1).contiguous()
+    else:
+        rw = y3  # not read
+    if align.max_blocks == 0 or max_rank == 0 or slice_width == 0:
+        return out
+    num_n_blocks = triton.cdiv(slice_width, cfg["BLOCK_N"])
+    grid = (align.max_blocks, num_slices * num_n_blocks)
+    _moe_lora_expand_kernel[grid](
+        y3, pool, b4, ranks, scalings,
+        align.sorted_pair_ids, align.block_expert_ids, align.num_tokens_post_padded, rw, out,
+        align.num_pairs, num_experts, slice_width,
+        y3.stride(0), y3.stride(1), y3.stride(2),
+        b4.stride(0), b4.stride(1), b4.stride(2), b4.stride(3),
+        out.stride(0), out.stride(1),
+        NUM_N_BLOCKS=num_n_blocks,
+        MUL_ROUTED_WEIGHT=topk_weights is not None,
+        DOT_PRECISION="ieee",
+        **cfg,
+    )  # fmt: skip
+    return out
+
+
+def _check_lora(lora: MoeLora, num_tokens: int, num_experts: int, inter: int, x: torch.Tensor) -> int:
+    """Validate ``lora`` against the layer; returns the number of w13 slices."""
+    if not isinstance(lora, MoeLora):
+        raise TypeError(f"lora must be a MoeLora, got {type(lora).__name__}")
+    device = x.device
+    check_tensor("lora.pool", lora.pool, dtype=x.dtype, dims=1, device=device)
+    a13 = _offsets4("lora.a13_offsets", lora.a13_offsets, device)
+    num_slices, num_slots, lora_experts, max_rank = a13.shape
+    if lora_experts != num_experts:
+        raise ValueError(f"lora tables cover {lora_experts} experts, the layer has {num_experts}")
+    if (2 * inter) % num_slices:
+        raise ValueError(f"{num_slices} w13 LoRA slices do not divide 2I = {2 * inter}")
+    check_shape("lora.b13_offsets", _offsets4("lora.b13_offsets", lora.b13_offsets, device), tuple(a13.shape))
+    for name in ("a2_offsets", "b2_offsets"):
+        t = getattr(lora, name)
+        check_tensor(f"lora.{name}", t, dtype=torch.int64, dims=3, device=device)
+        check_shape(f"lora.{name}", t, (num_slots, num_experts, max_rank))
+    check_tensor("lora.ranks", lora.ranks, dtype=torch.int32, dims=1, device=device)
+    check_shape("lora.ranks", lora.ranks, (num_slots,))
+    check_tensor("lora.scalings", lora.scalings, dtype=torch.float32, dims=1, device=device)
+    check_shape("lora.scalings", lora.scalings, (num_slots,))
+    check_tensor("lora.token_slots", lora.token_slots, dtype=torch.int32, dims=1, device=device)
+    check_shape("lora.token_slots", lora.token_slots, (num_tokens,))
+    return num_slices
+
+
+def fused_moe_lora_forward(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    lora: MoeLora | None = None,
+    *,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """SwiGLU MoE experts with per-(adapter, expert) LoRA on w13 and w2 (see the module docstring).
+
+    Semantics::
+
+        for t, k:  e = topk_ids[t, k];  s = lora.token_slots[t]
+            gu = w13[e] @ x[t] + (s >= 0) * scalings[s] * concat_i(B13_{i,s,e} @ (A13_{i,s,e} @ x[t]))
+            h = silu(gu[:I]) * gu[I:]
+            y = w2[e] @ h + (s >= 0) * scalings[s] * B2_{s,e} @ (A2_{s,e} @ h)
+            out[t] += topk_weights[t, k] * y
+
+    Launches: two alignments (by expert; by virtual expert slot * E + e, slot -1 dropped), then
+    w13 GEMM -> LoRA shrink (split-K) -> LoRA expand into the w13 output -> SiLU-and-mul -> w2
+    GEMM (routing weight applied) -> LoRA shrink -> LoRA expand (routing weight applied) -> sum
+    over k. With ``lora=None`` this is exactly ``fused_moe``; when no token has an adapter the
+    LoRA kernels touch nothing and the result is bit-identical to ``fused_moe`` as well.
+
+    Args:
+        x, w13, w2, topk_ids, topk_weights: as ``kernels.fused_moe.fused_moe``.
+        lora: MoeLora (pool, offset tables, ranks, scalings, token_slots) or None.
+        config: optional block sizes for the base GEMMs (keys of ``moe_gemm_config``); the LoRA
+            kernels use the same BLOCK_M.
+
+    Returns:
+        out [T, H], dtype of x.
+    """
+    if lora is None:
+        return fused_moe(x, w13, w2, topk_ids, topk_weights, config=config)
+    num_tokens, hidden, num_experts, inter, top_k = check_moe_args(x, w13, w2, topk_ids, topk_weights)
+    num_slices = _check_lora(lora, num_tokens, num_experts, inter, x)
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        return torch.zeros(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    num_slots, max_rank = lora.a2_offsets.shape[0], lora.a2_offsets.shape[2]
+    cfg13 = dict(config or moe_gemm_config(num_pairs, num_experts, 2 * inter, hidden))
+    cfg2 = dict(config or moe_gemm_config(num_pairs, num_experts, hidden, inter))
+    block_m = cfg13["BLOCK_M"]
+    align = moe_align_block_size(topk_ids, num_experts, block_m)
+    lora_align = moe_align_block_size(topk_ids, num_experts, block_m, token_slots=lora.token_slots, num_slots=num_slots)
+
+    c13 = torch.empty(num_pairs, 2 * inter, dtype=x.dtype, device=x.device)
+    fused_moe_gemm(x, w13, c13, align, rows_div=top_k, config=cfg13)
+    y13 = torch.zeros(num_slices, num_pairs, max_rank, dtype=torch.float32, device=x.device)
+    moe_lora_shrink(x, lora.pool, lora.a13_offsets, lora.ranks, lora_align, y13, rows_div=top_k)
+    moe_lora_expand(y13, lora.pool, lora.b13_offsets, lora.ranks, lora.scalings, lora_align, c13)
+
+    h = silu_and_mul(c13)
+    c2 = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    fused_moe_gemm(h, w2, c2, align, rows_div=1, topk_weights=topk_weights, config=cfg2)
+    y2 = torch.zeros(1, num_pairs, max_rank, dtype=torch.float32, device=x.device)
+    moe_lora_shrink(h, lora.pool, lora.a2_offsets, lora.ranks, lora_align, y2, rows_div=1)
+    moe_lora_expand(
+        y2, lora.pool, lora.b2_offsets, lora.ranks, lora.scalings, lora_align, c2, topk_weights=topk_weights
+    )
+    return moe_reduce(c2, num_tokens, top_k, x.dtype)
