@@ -77,9 +77,16 @@ def pack_adapter(weights: LoraWeights, cfg: ModelConfig, page_elems: int, max_ra
         m = MODULE_INDEX[module]
         ranks[layer, m] = a.shape[0]
         scalings[layer, m] = scaling
-    mats = {(layer, MODULE_INDEX[module]): (a.cpu(), b.t().cpu()) for (layer, module), (a, b, _) in
-            weights.weights.items()}
+    # One scatter per row length: rows of equal length go in together, in layout order.
+    by_length: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
     for layer, m, kind, k, offset, length in rows:
-        data[offset:offset + length] = mats[(layer, m)][kind][k]
         offsets[layer, m, kind, k] = offset
+        starts, blocks = by_length.setdefault(length, ([], []))
+        starts.append(offset)
+        if k == 0:
+            a, b, _ = weights.weights[(layer, PROJECTIONS[m])]
+            blocks.append(a if kind == 0 else b.t())
+    for length, (starts, blocks) in by_length.items():
+        index = torch.tensor(starts, dtype=torch.int64)[:, None] + torch.arange(length)
+        data[index.reshape(-1)] = torch.cat([blk.reshape(-1, length).cpu() for blk in blocks]).reshape(-1).to(dtype)
     return PackedAdapter(spec, data.view(num_pages, page_elems), offsets, ranks, scalings)

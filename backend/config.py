@@ -31,6 +31,7 @@ class EngineConfig:
         cuda_graphs: replay decode steps from CUDA graphs (CUDA with Triton kernels only).
         allow_runtime_adapters: accept load/unload/replace of adapters while serving; off
             unless the environment sets MANYLORA_ALLOW_RUNTIME_ADAPTERS=1 (as vLLM gates it).
+        adapter_load_workers: threads that read, check and pack adapters from disk.
         resolvers: where to look for adapters a request names but the catalogue lacks,
             comma-separated: dir:PATH, hf-cache:PATH, plugin:MODULE:FACTORY[:ARG]; "" = off.
     """
@@ -53,6 +54,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     allow_runtime_adapters: bool = field(default_factory=lambda: _env_flag("MANYLORA_ALLOW_RUNTIME_ADAPTERS"))
     resolvers: str = ""
+    adapter_load_workers: int = 4
 
     def __post_init__(self) -> None:
         positive = ("max_lora_rank", "max_loras", "max_num_seqs", "max_num_batched_tokens", "page_size")

@@ -125,7 +125,7 @@ class Engine:
         self.pool = UnifiedPool(cfg, self._num_pages(), config.page_size, self.dtype, self.device)
         self.kv = PagedKVCache(self.pool)
         host = HostAdapterCache(cfg, self.dtype, self.pool.page_elems, config.max_lora_rank, config.max_cpu_loras,
-                                pin_memory=pin_memory_available(self.device),
+                                pin_memory=pin_memory_available(self.device), workers=config.adapter_load_workers,
                                 on_load=lambda name, seconds: self.observer.adapter_loaded(name, seconds))
         self.adapters = AdapterManager(self.catalogue, self.pool, host, self.device)
         self._log_pool()

@@ -39,7 +39,7 @@ def random_model(cfg: ModelConfig, max_len: int, device: str, dtype: torch.dtype
             if name.endswith("norm.weight"):
                 tensors[name] = torch.ones(_shape(cfg, name), dtype=dtype)
             else:
-                tensors[name] = (torch.randn(_shape(cfg, name), dtype=dtype) * 0.02)
+                tensors[name] = torch.randn(_shape(cfg, name), dtype=dtype) * 0.02
     return LlamaModel(cfg, tensors, max_len, device, dtype)
 
 
@@ -58,10 +58,17 @@ def _shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
 def random_adapter(name: str, cfg: ModelConfig, rank: int, pool: UnifiedPool, max_rank: int) -> PackedAdapter:
     """A packed adapter of random rows (no disk, no per-row Python copies: benchmark only)."""
     layer_ranks = {(layer, m): rank for layer in range(cfg.num_layers) for m in PROJECTIONS}
-    spec = AdapterSpec(name=name, path="<random>", sha256=f"{hash(name) & (2**64 - 1):064x}", rank=rank,
-                       ranks=dict.fromkeys(PROJECTIONS, rank), target_modules=PROJECTIONS,
-                       layers=tuple(range(cfg.num_layers)), scaling=dict.fromkeys(layer_ranks, 2.0),
-                       layer_ranks=layer_ranks)
+    spec = AdapterSpec(
+        name=name,
+        path="<random>",
+        sha256=f"{hash(name) & (2**64 - 1):064x}",
+        rank=rank,
+        ranks=dict.fromkeys(PROJECTIONS, rank),
+        target_modules=PROJECTIONS,
+        layers=tuple(range(cfg.num_layers)),
+        scaling=dict.fromkeys(layer_ranks, 2.0),
+        layer_ranks=layer_ranks,
+    )
     num_pages, rows = _layout(spec, cfg, pool.page_elems)
     offsets = torch.full((cfg.num_layers, len(PROJECTIONS), 2, max_rank), -1, dtype=torch.int64)
     for layer, m, kind, k, offset, _length in rows:
@@ -150,23 +157,45 @@ def main() -> None:
     kv_bytes = args.batch * (args.context + 1) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
     rows = []
     for n in counts:
-        inputs = DecodeInputs(ids, positions, slots, tables, [args.context + 1] * args.batch,
-                              [b % n for b in range(args.batch)] if n else [-1] * args.batch, resident[:n])
+        inputs = DecodeInputs(
+            ids,
+            positions,
+            slots,
+            tables,
+            [args.context + 1] * args.batch,
+            [b % n for b in range(args.batch)] if n else [-1] * args.batch,
+            resident[:n],
+        )
         step_ms = time_ms(lambda inputs=inputs: graphs.run(inputs), args.iters)
         floor_ms = (base_bytes + n * adapter_bytes + kv_bytes) / bandwidth * 1e3
-        rows.append({"adapters": n, "step_ms": round(step_ms, 3), "floor_ms": round(floor_ms, 3),
-                     "step_over_floor": round(step_ms / floor_ms, 3),
-                     "tokens_per_s": round(args.batch / step_ms * 1e3, 1)})
+        rows.append(
+            {
+                "adapters": n,
+                "step_ms": round(step_ms, 3),
+                "floor_ms": round(floor_ms, 3),
+                "step_over_floor": round(step_ms / floor_ms, 3),
+                "tokens_per_s": round(args.batch / step_ms * 1e3, 1),
+            }
+        )
     eager_base = time_ms(lambda: model.forward(graphs._batch(args.batch), kv, None), 10)
 
     result = {
-        "date": date.today().isoformat(), "gpu": torch.cuda.get_device_name(), "shape": args.shape,
-        "batch": args.batch, "context": args.context, "rank": args.rank, "page_size": args.page_size,
-        "copy_bandwidth_TBps": round(bandwidth / 1e12, 3), "base_weight_GB": round(base_bytes / 1e9, 3),
-        "adapter_MB": round(adapter_bytes / 1e6, 2), "kv_GB": round(kv_bytes / 1e9, 3),
-        "graph_capture_s": round(capture_s, 1), "eager_base_step_ms": round(eager_base, 3), "rows": rows,
-        "command": "python perf/bench_decode_step.py " + " ".join(f"--{k.replace('_', '-')} {v}"
-                                                              for k, v in vars(args).items() if k != "out"),
+        "date": date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(),
+        "shape": args.shape,
+        "batch": args.batch,
+        "context": args.context,
+        "rank": args.rank,
+        "page_size": args.page_size,
+        "copy_bandwidth_TBps": round(bandwidth / 1e12, 3),
+        "base_weight_GB": round(base_bytes / 1e9, 3),
+        "adapter_MB": round(adapter_bytes / 1e6, 2),
+        "kv_GB": round(kv_bytes / 1e9, 3),
+        "graph_capture_s": round(capture_s, 1),
+        "eager_base_step_ms": round(eager_base, 3),
+        "rows": rows,
+        "command": "python perf/bench_decode_step.py "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"),
     }
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "decode_step.json").write_text(json.dumps(result, indent=1))
@@ -175,8 +204,10 @@ def main() -> None:
     base_ms = rows[0]["step_ms"] if counts[0] == 0 else None
     for r in rows:
         rel = f"{r['step_ms'] / base_ms:8.2f}" if base_ms else ""
-        print(f"{r['adapters']:>8} {r['step_ms']:>8.3f} {r['floor_ms']:>9.3f} {r['step_over_floor']:>8.2f} "
-              f"{r['tokens_per_s']:>9.1f} {rel}")
+        print(
+            f"{r['adapters']:>8} {r['step_ms']:>8.3f} {r['floor_ms']:>9.3f} {r['step_over_floor']:>8.2f} "
+            f"{r['tokens_per_s']:>9.1f} {rel}"
+        )
 
 
 if __name__ == "__main__":
