@@ -183,13 +183,23 @@ def _lora_expand_sgmv_kernel(
 
 
 def expand_config(
-    num_tokens: int, max_out: int, max_rank: int, segmented: bool, max_seg_len: int = 0
+    num_tokens: int, max_out: int, max_rank: int, segmented: bool, max_seg_len: int = 0, num_slices: int = 1
 ) -> dict[str, int]:
-    """Block sizes for ``lora_expand`` (a plain heuristic; tl.dot tiles stay >= 16)."""
-    block_n = min(256, max(16, triton.next_power_of_2(max_out)))
+    """Block sizes for ``lora_expand`` (a plain heuristic; tl.dot tiles stay >= 16).
+
+    BGMV: a [BLOCK_R, BLOCK_N] tile of B^T rows is about 4096 elements; BLOCK_N shrinks (down
+    to 64) while the grid (tokens x N blocks x slices) of a wide layer has fewer than ~4
+    programs per SM.
+    """
+    n_cap = max(16, triton.next_power_of_2(max_out))
     if not segmented:
-        return {"BLOCK_R": min(32, triton.next_power_of_2(max_rank)), "BLOCK_N": block_n, "num_warps": 4}
+        block_r = min(32, triton.next_power_of_2(max(1, max_rank)))
+        block_n = max(128, min(512, 4096 // block_r))
+        while block_n > 64 and max_out >= 1024 and num_tokens * num_slices * triton.cdiv(max_out, block_n) < 4 * 132:
+            block_n //= 2
+        return {"BLOCK_R": block_r, "BLOCK_N": min(block_n, n_cap), "num_warps": 4}
     block_m = 16 if max_seg_len <= 16 else (32 if max_seg_len <= 32 else 64)
+    block_n = min(256, n_cap)
     return {"BLOCK_M": block_m, "BLOCK_R": 16, "BLOCK_N": min(block_n, 128 if block_m < 64 else 64), "num_warps": 4}
 
 
@@ -320,7 +330,7 @@ def lora_expand(
         base_out.stride(0), base_out.stride(1),
     )  # fmt: skip
     if segments is None:
-        cfg = dict(config or expand_config(num_tokens, max_out, max_rank, segmented=False))
+        cfg = dict(config or expand_config(num_tokens, max_out, max_rank, segmented=False, num_slices=num_slices))
         grid = (num_tokens, triton.cdiv(max_out, cfg["BLOCK_N"]), num_slices)
         _lora_expand_bgmv_kernel[grid](
             y3, pool, b3, ranks3, scalings3, token_slots, bounds, base_out,

@@ -2,11 +2,14 @@
 
 Two launch forms share the launcher ``lora_shrink``:
 
-* BGMV (decode): one program per (token, rank block, slice); every token may use a different
-  slot. Each program reads x[t] once per K chunk and the rank rows of its slot once.
+* BGMV (decode): one program per (token, K split, slice x rank block); every token may use a
+  different slot. Each program reads its K chunk of x[t] and of its slot's rank rows once.
 * SGMV (prefill): tokens grouped by slot into segments (``kernels.lora_meta.build_segments``);
-  one program per (segment, row block, slice x rank block) computes a tl.dot tile, so a block of
-  BLOCK_M tokens reads its adapter's rows once.
+  one program per (segment, row block, slice x rank block x K split) computes a tl.dot tile, so
+  a block of BLOCK_M tokens reads its adapter's rows once.
+
+Both split K (``in_features``) across programs when the grid would otherwise be small (decode:
+few tokens, 4096+ long rows): partial sums are added into the fp32 output with atomics.
 
 Adapter rows live in the flat ``pool``: row k of A for slot s starts at pool element
 ``a_row_offsets[slice, s, k]`` and is ``in_features`` long and contiguous.
@@ -23,6 +26,53 @@ from kernels.lora_meta import FLOAT_DTYPES, SegmentMeta, check_segments, check_s
 __all__ = ["lora_shrink", "shrink_config"]
 
 
+@triton.jit
+def _bgmv_rows_dot(
+    x_row, stride_xk, pool_ptr, row_offs, r_mask, k_start, k_end, in_features,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """fp32 [BLOCK_R]: sum over k in [k_start, k_end) of pool[row_offs + k] * x_row[k]."""
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            x = tl.load(x_row + offs_k * stride_xk)
+            a = tl.load(pool_ptr + row_offs[:, None] + offs_k[None, :], mask=r_mask[:, None], other=0.0)
+        else:
+            k_mask = offs_k < in_features
+            x = tl.load(x_row + offs_k * stride_xk, mask=k_mask, other=0.0)
+            a = tl.load(
+                pool_ptr + row_offs[:, None] + offs_k[None, :],
+                mask=r_mask[:, None] & k_mask[None, :],
+                other=0.0,
+            )
+        acc += tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    return acc
+
+
+@triton.jit
+def _sgmv_rows_dot(
+    x_ptr, tokens, m_mask, stride_xm, stride_xk, pool_ptr, row_offs, r_mask, k_start, k_end, in_features,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """fp32 [BLOCK_M, BLOCK_R]: x[tokens, k_start:k_end] @ A[rows, k_start:k_end]^T."""
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            x_mask = m_mask[:, None]
+            a_mask = r_mask[:, None]
+        else:
+            k_mask = offs_k < in_features
+            x_mask = m_mask[:, None] & k_mask[None, :]
+            a_mask = r_mask[:, None] & k_mask[None, :]
+        x = tl.load(x_ptr + tokens[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=x_mask, other=0.0)
+        a = tl.load(pool_ptr + row_offs[:, None] + offs_k[None, :], mask=a_mask, other=0.0)
+        acc += tl.dot(x.to(a.dtype), tl.trans(a), input_precision=DOT_PRECISION)
+    return acc
+
+
 @triton.jit(do_not_specialize=["num_tokens"])
 def _lora_shrink_bgmv_kernel(
     # pointers
@@ -36,6 +86,7 @@ def _lora_shrink_bgmv_kernel(
     num_tokens,
     in_features,
     max_rank,
+    k_split_len,  # elements of K per split (a multiple of BLOCK_K)
     # strides
     stride_xm,
     stride_xk,
@@ -50,44 +101,49 @@ def _lora_shrink_bgmv_kernel(
     # meta-parameters
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    NUM_R_BLOCKS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,  # elements in 16 bytes of the pool dtype
 ):
     pid_m = tl.program_id(0)
-    pid_r = tl.program_id(1)
-    slice_id = tl.program_id(2)
+    pid_k = tl.program_id(1)
+    slice_id = tl.program_id(2) // NUM_R_BLOCKS
+    pid_r = tl.program_id(2) % NUM_R_BLOCKS
     if pid_m >= num_tokens:
         return
-    slot = tl.load(token_slots_ptr + pid_m)
-    if slot < 0:
-        return  # base-only token: its output row stays untouched
     token = pid_m.to(tl.int64)
-    slot = slot.to(tl.int64)
-    rank = tl.load(ranks_ptr + slice_id * stride_rs + slot * stride_rslot)
+    slot = tl.load(token_slots_ptr + pid_m).to(tl.int64)
+    rank = tl.load(ranks_ptr + slice_id * stride_rs + tl.maximum(slot, 0) * stride_rslot)
+    rank = tl.where(slot >= 0, rank, 0)  # base-only token: nothing to read, its row is zero
 
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
-    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    if pid_r * BLOCK_R < rank:
-        row_offs = tl.load(
-            a_row_offsets_ptr + slice_id * stride_as + slot * stride_aslot + offs_r * stride_ar,
-            mask=r_mask,
-            other=0,
-        ).to(tl.int64)
-        for k0 in range(0, in_features, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < in_features
-            x = tl.load(x_ptr + token * stride_xm + offs_k * stride_xk, mask=k_mask, other=0.0)
-            a = tl.load(
-                pool_ptr + row_offs[:, None] + offs_k[None, :],
-                mask=r_mask[:, None] & k_mask[None, :],
-                other=0.0,
-            )
-            acc += tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-    # columns rank <= k < R_MAX of this token's row are written as zero
-    tl.store(
-        out_ptr + slice_id * stride_os + token * stride_om + offs_r * stride_or,
-        acc,
-        mask=offs_r < max_rank,
-    )
+    row_offs = tl.load(
+        a_row_offsets_ptr + slice_id * stride_as + tl.maximum(slot, 0) * stride_aslot + offs_r * stride_ar,
+        mask=r_mask,
+        other=0,
+    ).to(tl.int64)
+    k_start = pid_k * k_split_len
+    k_end = tl.minimum(k_start + k_split_len, in_features)
+    k_end = tl.where(pid_r * BLOCK_R < rank, k_end, k_start)  # rank block past the slot's rank: skip
+    x_row = x_ptr + token * stride_xm
+    # rows that start on 16 bytes (the usual paged layout) get vectorised loads: (o // A) * A == o
+    # there, and tells the compiler so; other layouts take the same loop without the promise
+    if tl.sum((row_offs % ROW_ALIGN != 0).to(tl.int32), axis=0) == 0:
+        row_offs = (row_offs // ROW_ALIGN) * ROW_ALIGN
+        acc = _bgmv_rows_dot(x_row, stride_xk, pool_ptr, row_offs, r_mask, k_start, k_end, in_features,
+                             BLOCK_R, BLOCK_K, EVEN_K)  # fmt: skip
+    else:
+        acc = _bgmv_rows_dot(x_row, stride_xk, pool_ptr, row_offs, r_mask, k_start, k_end, in_features,
+                             BLOCK_R, BLOCK_K, EVEN_K)  # fmt: skip
+    out_ptrs = out_ptr + slice_id * stride_os + token * stride_om + offs_r * stride_or
+    if SPLIT_K == 1:
+        # the whole row is written here: zeros past the rank and on base-only tokens
+        tl.store(out_ptrs, acc, mask=offs_r < max_rank)
+    else:
+        # fp32 partial sums into the row the launcher zeroed
+        tl.atomic_add(out_ptrs, acc, mask=r_mask, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["num_segments"])
@@ -100,11 +156,11 @@ def _lora_shrink_sgmv_kernel(
     token_order_ptr,  # int32 [N]: token indices sorted by slot
     seg_starts_ptr,  # int32 [num_segments + 1]
     seg_slots_ptr,  # int32 [num_segments]
-    out_ptr,  # fp32 [NS, T, R_MAX]
+    out_ptr,  # fp32 [NS, T, R_MAX], zeroed by the launcher
     # sizes
     num_segments,
     in_features,
-    max_rank,
+    k_split_len,  # elements of K per split (a multiple of BLOCK_K)
     # strides
     stride_xm,
     stride_xk,
@@ -121,12 +177,17 @@ def _lora_shrink_sgmv_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_R_BLOCKS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,  # elements in 16 bytes of the pool dtype
 ):
     pid_seg = tl.program_id(0)
     pid_m = tl.program_id(1)
-    slice_id = tl.program_id(2) // NUM_R_BLOCKS
-    pid_r = tl.program_id(2) % NUM_R_BLOCKS
+    pid_k = tl.program_id(2) % SPLIT_K
+    pid_sr = tl.program_id(2) // SPLIT_K
+    slice_id = pid_sr // NUM_R_BLOCKS
+    pid_r = pid_sr % NUM_R_BLOCKS
     if pid_seg >= num_segments:
         return
     slot = tl.load(seg_slots_ptr + pid_seg)
@@ -138,51 +199,81 @@ def _lora_shrink_sgmv_kernel(
     if row_start >= seg_end:
         return  # this segment is shorter than the longest one
     rank = tl.load(ranks_ptr + slice_id * stride_rs + slot * stride_rslot)
+    if pid_r * BLOCK_R >= rank:
+        return  # rank block past the slot's rank: the zeroed output stays zero
 
     offs_m = row_start + tl.arange(0, BLOCK_M)
     m_mask = offs_m < seg_end
     tokens = tl.load(token_order_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    if pid_r * BLOCK_R < rank:
-        row_offs = tl.load(
-            a_row_offsets_ptr + slice_id * stride_as + slot * stride_aslot + offs_r * stride_ar,
-            mask=r_mask,
-            other=0,
-        ).to(tl.int64)
-        for k0 in range(0, in_features, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < in_features
-            x = tl.load(
-                x_ptr + tokens[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-                mask=m_mask[:, None] & k_mask[None, :],
-                other=0.0,
-            )
-            a = tl.load(
-                pool_ptr + row_offs[:, None] + offs_k[None, :],
-                mask=r_mask[:, None] & k_mask[None, :],
-                other=0.0,
-            )
-            acc += tl.dot(x.to(a.dtype), tl.trans(a), input_precision=DOT_PRECISION)
-    tl.store(
-        out_ptr + slice_id * stride_os + tokens[:, None] * stride_om + offs_r[None, :] * stride_or,
-        acc,
-        mask=m_mask[:, None] & (offs_r < max_rank)[None, :],
-    )
+    row_offs = tl.load(
+        a_row_offsets_ptr + slice_id * stride_as + slot * stride_aslot + offs_r * stride_ar,
+        mask=r_mask,
+        other=0,
+    ).to(tl.int64)
+    k_start = pid_k * k_split_len
+    k_end = tl.minimum(k_start + k_split_len, in_features)
+    if tl.sum((row_offs % ROW_ALIGN != 0).to(tl.int32), axis=0) == 0:  # as in the BGMV kernel
+        row_offs = (row_offs // ROW_ALIGN) * ROW_ALIGN
+        acc = _sgmv_rows_dot(x_ptr, tokens, m_mask, stride_xm, stride_xk, pool_ptr, row_offs, r_mask, k_start, k_end,
+                             in_features, BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, DOT_PRECISION)  # fmt: skip
+    else:
+        acc = _sgmv_rows_dot(x_ptr, tokens, m_mask, stride_xm, stride_xk, pool_ptr, row_offs, r_mask, k_start, k_end,
+                             in_features, BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, DOT_PRECISION)  # fmt: skip
+    out_ptrs = out_ptr + slice_id * stride_os + tokens[:, None] * stride_om + offs_r[None, :] * stride_or
+    out_mask = m_mask[:, None] & r_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc, mask=out_mask)
+    else:
+        tl.atomic_add(out_ptrs, acc, mask=out_mask, sem="relaxed")
+
+
+NUM_SMS = 132  # H200; the heuristics only need the order of magnitude
+_TARGET_PROGRAMS = 4 * NUM_SMS
+
+
+def _split_k(in_features: int, block_k: int, base_programs: int, target: int = _TARGET_PROGRAMS) -> int:
+    """K splits so that ``base_programs * split`` reaches ``target``: the smallest divisor of the
+    number of K blocks that does (all splits then get the same number of K blocks)."""
+    num_k_blocks = triton.cdiv(in_features, block_k)
+    want = triton.cdiv(target, max(1, base_programs))
+    return next((d for d in range(1, num_k_blocks + 1) if num_k_blocks % d == 0 and d >= want), num_k_blocks)
 
 
 def shrink_config(
-    num_tokens: int, in_features: int, max_rank: int, segmented: bool, max_seg_len: int = 0
+    num_tokens: int,
+    in_features: int,
+    max_rank: int,
+    segmented: bool,
+    max_seg_len: int = 0,
+    num_slices: int = 1,
+    num_segments: int = 0,
 ) -> dict[str, int]:
-    """Block sizes for ``lora_shrink`` (a plain heuristic; tl.dot tiles stay >= 16)."""
-    block_k = min(256, max(16, triton.next_power_of_2(in_features)))
+    """Block sizes and K split for ``lora_shrink`` (a plain heuristic; tl.dot tiles stay >= 16).
+
+    BGMV: one [BLOCK_R, BLOCK_K] tile of adapter rows is about 4096 elements; SPLIT_K splits
+    ``in_features`` so the grid (tokens x K splits x slices x rank blocks) has several programs per
+    SM. SGMV: tl.dot tiles of BLOCK_M tokens; SPLIT_K likewise when there are few tiles.
+    """
+    k_cap = max(16, triton.next_power_of_2(in_features))
     if not segmented:
-        return {"BLOCK_R": min(16, triton.next_power_of_2(max_rank)), "BLOCK_K": block_k, "num_warps": 4}
+        block_r = min(64, triton.next_power_of_2(max(1, max_rank)))
+        block_k = min(k_cap, max(128, min(512, 4096 // block_r)))
+        base = num_tokens * num_slices * triton.cdiv(max_rank, block_r)
+        # too few programs even with one K block each: smaller tiles, more programs
+        while block_k > 128 and base * triton.cdiv(in_features, block_k) < _TARGET_PROGRAMS:
+            block_k //= 2
+        block_k = min(block_k, k_cap)
+        split = _split_k(in_features, block_k, base)
+        return {"BLOCK_R": block_r, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": 4}
     block_m = 16 if max_seg_len <= 16 else (32 if max_seg_len <= 32 else 64)
-    block_r = min(64, max(16, triton.next_power_of_2(max_rank)))
-    return {"BLOCK_M": block_m, "BLOCK_R": block_r, "BLOCK_K": min(block_k, 128 if block_m < 64 else 64),
-            "num_warps": 4}
+    block_r = min(64, max(16, triton.next_power_of_2(max(1, max_rank))))
+    block_k = min(k_cap, 128 if block_m * block_r <= 2048 else 64)
+    num_segments = num_segments or 1
+    base = num_segments * triton.cdiv(max(1, max_seg_len), block_m) * num_slices * triton.cdiv(max_rank, block_r)
+    split = _split_k(in_features, block_k, base)
+    return {"BLOCK_M": block_m, "BLOCK_R": block_r, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": 4}
 
 
 def lora_shrink(
@@ -203,18 +294,28 @@ def lora_shrink(
         for i in range(num_slices):
             for t in range(T):
                 s = token_slots[t]
+                out[i, t, :] = 0                               # every row is overwritten
                 if s < 0:
-                    continue                                   # out[i, t, :] untouched
+                    continue                                   # base-only token: row stays zero
                 r = ranks[i, s]
                 A = stack([pool[a_row_offsets[i, s, k] : a_row_offsets[i, s, k] + in_features]
                            for k in range(r)])                 # [r, in_features]
                 out[i, t, :r] = A.float() @ x[t].float()
-                out[i, t, r:] = 0
 
     Without ``segments`` each token is its own program (BGMV, for decode). With ``segments``
     (from ``build_segments(token_slots)``) tokens sharing a slot are computed as tl.dot tiles
     (SGMV, for prefill); the result is the same. Work stops at each slot's rank (rounded up to
-    BLOCK_R), and tokens with slot -1 cost nothing.
+    BLOCK_R), and tokens with slot -1 read nothing.
+
+    Split-K: ``in_features`` is cut into ``SPLIT_K`` chunks (``shrink_config`` picks it so the
+    grid fills the GPU at decode sizes); each program reduces one chunk and ``tl.atomic_add``s
+    its fp32 partial sums into ``out``. The launcher then zeroes ``out`` first (``out.zero_()``, a
+    memset: graph-safe); it does so for the SGMV form too, where slot -1 tokens have no
+    program. With one split the BGMV kernel stores whole rows itself and nothing is zeroed.
+    Either way ``out`` is fully overwritten and rows of slot -1 tokens come back zero. fp32
+    atomics make the low bits of the result depend on the order the splits land in.
+    Nothing here synchronises with the host or allocates: the launcher can be captured in a
+    CUDA graph (without ``segments``; ``build_segments`` reads back to the host).
 
     Args:
         x: [T, in_features], dtype of ``pool`` (fp16/bf16/fp32). Any strides.
@@ -223,10 +324,12 @@ def lora_shrink(
             offset of rank row k of A for slot s; entries k >= ranks[., s] are not read (fill -1).
         ranks: int32 [num_slices, S] (or [S]): rank of each slot, 1..R_max.
         token_slots: int32 [T]: slot of each token, -1 = no adapter.
-        out: float32 [num_slices, T, R_max] (or [T, R_max]). Modified in place: rows of tokens
-            with an adapter are fully written (zero past the rank); rows with slot -1 untouched.
+        out: float32 [num_slices, T, R_max] (or [T, R_max]). Overwritten: rows of tokens with
+            an adapter hold the projection (zero past the rank), rows with slot -1 are zero.
+            Any strides.
         segments: optional SegmentMeta built from this ``token_slots``: use the SGMV form.
-        config: optional block-size override (keys as returned by ``shrink_config``).
+        config: optional override of ``shrink_config``'s keys (BLOCK_R, BLOCK_K, BLOCK_M,
+            SPLIT_K, num_warps); keys left out take the heuristic's value.
 
     Returns:
         ``out``.
@@ -250,7 +353,10 @@ def lora_shrink(
     check_shape("ranks", ranks3, (num_slices, num_slots))
     check_shape("token_slots", token_slots, (num_tokens,))
     check_shape("out", out3, (num_slices, num_tokens, max_rank))
-    if num_tokens == 0 or max_rank == 0 or num_slots == 0:
+    if num_tokens == 0 or max_rank == 0:
+        return out
+    if num_slots == 0 or in_features == 0:
+        out.zero_()
         return out
 
     strides = (
@@ -260,29 +366,52 @@ def lora_shrink(
         out3.stride(0), out3.stride(1), out3.stride(2),
     )  # fmt: skip
     if segments is None:
-        cfg = dict(config or shrink_config(num_tokens, in_features, max_rank, segmented=False))
-        grid = (num_tokens, triton.cdiv(max_rank, cfg["BLOCK_R"]), num_slices)
+        cfg = shrink_config(num_tokens, in_features, max_rank, segmented=False, num_slices=num_slices)
+        cfg.update(config or {})
+        num_r_blocks, k_split_len, split_k = _grid_split(cfg, in_features, max_rank)
+        if split_k > 1:
+            out.zero_()  # the splits add into it
+        grid = (num_tokens, split_k, num_slices * num_r_blocks)
         _lora_shrink_bgmv_kernel[grid](
             x, pool, a_row_offsets, ranks3, token_slots, out3,
-            num_tokens, in_features, max_rank,
+            num_tokens, in_features, max_rank, k_split_len,
             *strides,
+            NUM_R_BLOCKS=num_r_blocks,
+            EVEN_K=in_features % cfg["BLOCK_K"] == 0,
+            ROW_ALIGN=16 // pool.element_size(),
             **cfg,
         )  # fmt: skip
         return out
 
     check_segments(segments, num_tokens, device)
+    out.zero_()  # slot -1 tokens have no program; the splits add into it
     if segments.num_segments == 0:
         return out
-    cfg = dict(config or shrink_config(num_tokens, in_features, max_rank, True, segments.max_seg_len))
-    num_r_blocks = triton.cdiv(max_rank, cfg["BLOCK_R"])
-    grid = (segments.num_segments, triton.cdiv(segments.max_seg_len, cfg["BLOCK_M"]), num_slices * num_r_blocks)
+    cfg = shrink_config(num_tokens, in_features, max_rank, True, segments.max_seg_len, num_slices,
+                        segments.num_segments)  # fmt: skip
+    cfg.update(config or {})
+    num_r_blocks, k_split_len, split_k = _grid_split(cfg, in_features, max_rank)
+    num_m_blocks = triton.cdiv(segments.max_seg_len, cfg["BLOCK_M"])
+    grid = (segments.num_segments, num_m_blocks, num_slices * num_r_blocks * split_k)
     _lora_shrink_sgmv_kernel[grid](
         x, pool, a_row_offsets, ranks3,
         segments.token_order, segments.seg_starts, segments.seg_slots, out3,
-        segments.num_segments, in_features, max_rank,
+        segments.num_segments, in_features, k_split_len,
         *strides,
         NUM_R_BLOCKS=num_r_blocks,
+        EVEN_K=in_features % cfg["BLOCK_K"] == 0,
         DOT_PRECISION="ieee",
+        ROW_ALIGN=16 // pool.element_size(),
         **cfg,
     )  # fmt: skip
     return out
+
+
+def _grid_split(cfg: dict[str, int], in_features: int, max_rank: int) -> tuple[int, int, int]:
+    """(rank blocks, K elements per split, number of splits) for a config; fixes cfg["SPLIT_K"]."""
+    block_k = cfg["BLOCK_K"]
+    num_k_blocks = triton.cdiv(in_features, block_k)
+    blocks_per_split = triton.cdiv(num_k_blocks, max(1, min(int(cfg.get("SPLIT_K", 1)), num_k_blocks)))
+    split_k = triton.cdiv(num_k_blocks, blocks_per_split)
+    cfg["SPLIT_K"] = split_k
+    return triton.cdiv(max_rank, cfg["BLOCK_R"]), blocks_per_split * block_k, split_k
