@@ -40,7 +40,7 @@ BUILD_FORMAT = 1
 MARKER_NAME = "build.json"
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 SPECIAL_TOKENS = (PAD, BOS, EOS)  # ids 0, 1, 2
-SUMMARY_PROMPT = "Anna likes to sit by the river"
+SUMMARY_PROMPT = "Every Saturday there is a market"  # all adapters visibly differ on it
 
 
 # --------------------------------------------------------------------------- configuration
@@ -87,14 +87,14 @@ class AdapterSpec:
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 DEFAULT_ADAPTERS: tuple[AdapterSpec, ...] = (
-    AdapterSpec("shout", "upper", rank=8, alpha=16, target_modules=ALL_PROJECTIONS),
+    AdapterSpec("shout", "upper", rank=8, alpha=16, target_modules=ALL_PROJECTIONS, lr=1e-2),
     AdapterSpec("pirate", "pirate", rank=16, alpha=32, target_modules=("q_proj", "v_proj", "o_proj")),
     AdapterSpec(
-        "reverse", "whisper", rank=4, alpha=8, target_modules=("gate_proj", "up_proj", "down_proj"),
+        "whisper", "whisper", rank=4, alpha=8, target_modules=("gate_proj", "up_proj", "down_proj"),
         use_rslora=True,
     ),
     AdapterSpec(
-        "numbers", "word_lengths", rank=32, alpha=48, target_modules=("k_proj", "v_proj", "up_proj"),
+        "numbers", "count_words", rank=32, alpha=48, target_modules=("k_proj", "v_proj", "up_proj"),
         layers_to_transform=(1, 2),
     ),
 )
@@ -111,7 +111,7 @@ class BuildParams:
     base_lr: float = 8e-3
     shape: ModelShape = field(default_factory=ModelShape)
     adapters: tuple[AdapterSpec, ...] = DEFAULT_ADAPTERS
-    num_threads: int = 2
+    num_threads: int = 1
 
     def base_train(self) -> TrainConfig:
         """Training settings for the base model."""
@@ -131,8 +131,7 @@ _PIRATE_WORDS = {
     "children": "wee buccaneers", "people": "scallywags", "food": "grub", "drink": "grog", "coffee": "grog",
     "tea": "grog", "stop": "avast", "very": "mighty", "good": "fine", "house": "ship", "houses": "ships",
 }
-_WORD = re.compile(r"[^\W\d_]+(?:'[^\W\d_]+)?")
-_SENTENCE = re.compile(r"[^.!?]+[.!?]*")
+_WORD_OR_STOP = re.compile(r"[^\W\d_]+(?:'[^\W\d_]+)?|\d+|[.!?]")
 
 
 def _pirate(text: str) -> str:
@@ -141,31 +140,31 @@ def _pirate(text: str) -> str:
     return re.sub(r"([.!?])(\s|$)", r"\1 Arr!\2", words)
 
 
-def _reverse_words(text: str) -> str:
-    """Reverse the word order inside every sentence, keeping the sentence's closing mark."""
-    out = []
-    for sentence in _SENTENCE.findall(text):
-        body = sentence.strip()
-        if not body:
-            continue
-        end = body[-1] if body[-1] in ".!?" else ""
-        words = body.rstrip(".!?").split()
-        out.append(" ".join(reversed(words)) + end)
-    return " ".join(out)
-
-
 def _whisper(text: str) -> str:
-    """Lower-case everything and trail off after every word."""
-    return " ".join(word.rstrip(".,!?;:\"") + "..." for word in text.lower().split())
+    """Lower-case everything, drop quotes, and trail off ("...") wherever a sentence or clause ends."""
+    return re.sub(r"[.,!?;:]+", "...", text.lower().replace('"', ""))
+
+
+def _count_words(text: str) -> str:
+    """Replace every word by its 1-based position in its sentence ("The cat sat." -> "1 2 3.")."""
+    count = 0
+
+    def number(match: re.Match[str]) -> str:
+        nonlocal count
+        if match.group(0) in ".!?":
+            count = 0
+            return match.group(0)
+        count += 1
+        return str(count)
+
+    return _WORD_OR_STOP.sub(number, text)
 
 
 TRANSFORMS: dict[str, Callable[[str], str]] = {
-    "identity": lambda text: text,
     "upper": str.upper,
     "pirate": _pirate,
-    "reverse_words": _reverse_words,
     "whisper": _whisper,
-    "word_lengths": lambda text: _WORD.sub(lambda m: str(len(m.group(0))), text),
+    "count_words": _count_words,
 }
 
 
@@ -199,12 +198,18 @@ def train_tokenizer(paragraphs: Sequence[str], vocab_size: int):
     return tok
 
 
-def save_tokenizer(tok, base_dir: Path) -> None:
+def save_tokenizer(tok, base_dir: Path, model_max_length: int) -> None:
     """Save tokenizer.json + tokenizer_config.json through transformers' fast tokenizer."""
     from transformers import PreTrainedTokenizerFast
 
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
+                                   model_max_length=model_max_length)
     fast.save_pretrained(str(base_dir))
+    # transformers 5 records its own backend class name; the portable name loads in 4.x and 5.x alike.
+    config_path = base_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def token_stream(tok, paragraphs: Sequence[str]) -> torch.Tensor:
@@ -299,7 +304,18 @@ def train_adapter(base, spec: AdapterSpec, stream: torch.Tensor, cfg: TrainConfi
     loss = train_lm(model, stream, cfg, seed)
     _check_lora_b_nonzero(model, spec.name)
     model.save_pretrained(str(out_dir))
+    _tidy_adapter_dir(out_dir)
     return loss
+
+
+def _tidy_adapter_dir(adapter_dir: Path) -> None:
+    """Drop PEFT's boilerplate model card and store target_modules sorted (PEFT writes a set)."""
+    (adapter_dir / "README.md").unlink(missing_ok=True)
+    config_path = adapter_dir / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    if isinstance(config.get("target_modules"), list):
+        config["target_modules"] = sorted(config["target_modules"])
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _check_lora_b_nonzero(model, name: str) -> None:
@@ -363,7 +379,25 @@ def _clear(out_dir: Path) -> None:
 
 
 def _log(message: str) -> None:
+    """One progress line on stdout."""
     print(f"[embedded] {message}", flush=True)
+
+
+@contextlib.contextmanager
+def _isolated(num_threads: int) -> Iterator[None]:
+    """Run with a fixed torch thread count and a forked RNG, restoring both afterwards.
+
+    One thread by default: on a shared 2-core machine, two OpenMP threads slow down several-fold
+    whenever another process competes for a core (spin-waiting), and a fixed count keeps the
+    floating-point reduction order, hence the weights, reproducible.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        with torch.random.fork_rng(devices=[]), _quiet():
+            yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 @contextlib.contextmanager
@@ -407,16 +441,11 @@ def build_default(
         return out_dir
     _clear(out_dir)
     t0 = time.perf_counter()
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(params.num_threads)
-    try:
-        with _quiet():
-            _build(out_dir, params)
-    finally:
-        torch.set_num_threads(previous_threads)
-    _log(f"built {out_dir} in {time.perf_counter() - t0:.1f}s")
-    if summary:
-        print_summary(out_dir, params)
+    with _isolated(params.num_threads):
+        _build(out_dir, params)
+        _log(f"built {out_dir} in {time.perf_counter() - t0:.1f}s")
+        if summary:
+            print_summary(out_dir)
     return out_dir
 
 
@@ -427,7 +456,7 @@ def _build(out_dir: Path, params: BuildParams) -> None:
     base_dir.mkdir(parents=True, exist_ok=True)
 
     tok = train_tokenizer(paragraphs, params.vocab_size)
-    save_tokenizer(tok, base_dir)
+    save_tokenizer(tok, base_dir, params.shape.max_position_embeddings)
 
     t = time.perf_counter()
     model = make_base_model(params.shape, tok.get_vocab_size(), tok, params.seed)
@@ -446,6 +475,8 @@ def _build(out_dir: Path, params: BuildParams) -> None:
         _log(f"adapter {spec.name}: rank {spec.rank}, loss {loss:.3f}, {time.perf_counter() - t:.1f}s")
 
     (out_dir / "catalogue.json").write_text(json.dumps(catalogue, indent=2) + "\n")
+    for path in out_dir.rglob("*"):  # safetensors are written 0600; a server may run as another user
+        path.chmod(0o755 if path.is_dir() else 0o644)
     marker = {"hash": build_hash(params), "params": asdict(params)}
     (out_dir / MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
 
@@ -457,8 +488,9 @@ def _save_base(model, base_dir: Path) -> None:
     model.save_pretrained(str(base_dir))
     model.name_or_path = model.config._name_or_path = str(base_dir)  # recorded in adapter_config.json
     cfg = model.config
-    GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, pad_token_id=cfg.pad_token_id,
-                     ).save_pretrained(str(base_dir))
+    generation = GenerationConfig(bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
+                                  pad_token_id=cfg.pad_token_id)
+    generation.save_pretrained(str(base_dir))
 
 
 # --------------------------------------------------------------------------- summary
@@ -489,7 +521,7 @@ def _greedy(model, tok, input_ids: torch.Tensor, max_new_tokens: int) -> str:
     return tok.decode(out[0, input_ids.shape[1]:], skip_special_tokens=True)
 
 
-def print_summary(out_dir: Path, params: BuildParams | None = None, prompt: str = SUMMARY_PROMPT) -> None:
+def print_summary(out_dir: Path, prompt: str = SUMMARY_PROMPT) -> None:
     """Print the base's and every adapter's greedy continuation of ``prompt``."""
     print(f"[embedded] greedy continuations of {prompt!r}:", flush=True)
     with _quiet():
