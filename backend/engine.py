@@ -106,7 +106,7 @@ class Engine:
         self.config = config
         self.observer: EngineObserver = observer or NullObserver()
         self.device = resolve_device(config.device)
-        if self.device.startswith("cuda"):
+        if self.device.startswith("cuda") and torch.device(self.device).index is not None:
             torch.cuda.set_device(torch.device(self.device))
         self.model_config = ModelConfig.from_dir(config.model_dir)
         cfg = self.model_config

@@ -161,6 +161,23 @@ class ManyLoraClient:
         """The engine's counters (JSON)."""
         return self._control({"op": "stats"})
 
+    def load_adapter(self, name: str, path: str, sha256: str | None = None, replace: bool = False) -> dict:
+        """Register adapter ``name`` from ``path`` (a PEFT directory on the server's machine).
+
+        ``sha256`` pins the weights (refused if they differ); ``replace`` re-versions a registered
+        name (requests already admitted finish on the old version). Returns the adapter's info
+        (name, rank, target_modules, sha256, path). Needs MANYLORA_ALLOW_RUNTIME_ADAPTERS=1 on
+        the server; otherwise ManyLoraError with status UNSUPPORTED.
+        """
+        command = {"op": "load_adapter", "name": name, "path": str(path), "replace": bool(replace)}
+        if sha256:
+            command["sha256"] = sha256
+        return self._control(command)
+
+    def unload_adapter(self, name: str) -> dict:
+        """Unregister adapter ``name``: new requests for it get NOT_FOUND; admitted ones finish."""
+        return self._control({"op": "unload_adapter", "name": name})
+
     # -- plumbing ---------------------------------------------------------------------------
 
     def _control(self, command: dict) -> dict:

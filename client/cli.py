@@ -3,7 +3,10 @@
 python -m client generate --adapter shout "In the morning the baker"
 python -m client generate --no-stream --max-tokens 40 "In the morning the baker"
 python -m client adapters list [--full]
+python -m client adapters load NAME PATH [--sha256 HEX] [--replace]   (server: MANYLORA_ALLOW_RUNTIME_ADAPTERS=1)
+python -m client adapters unload NAME
 python -m client stats
+python -m client plan --base-model DIR --gpu-memory 141GiB --ranks 8:500,16:300,64:20 [--json]   (offline)
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
+from client import plan
 from client.api import ManyLoraClient, ManyLoraError
 
 
@@ -39,8 +44,17 @@ def _parser() -> argparse.ArgumentParser:
     listing = adapters_sub.add_parser("list", help="name, rank, target modules, sha256")
     listing.add_argument("--full", action="store_true", help="print the whole sha256")
     listing.add_argument("--json", action="store_true", help="print JSON")
+    load = adapters_sub.add_parser("load", help="register an adapter while serving (or re-version it: --replace)")
+    load.add_argument("name")
+    load.add_argument("path", help="PEFT adapter directory on the server's machine (made absolute if it exists here)")
+    load.add_argument("--sha256", default=None, help="refuse unless the weights have this sha256")
+    load.add_argument("--replace", action="store_true", help="re-version a registered adapter")
+    unload = adapters_sub.add_parser("unload", help="unregister an adapter; admitted requests finish")
+    unload.add_argument("name")
 
     sub.add_parser("stats", help="the engine's counters (JSON)")
+    planner = sub.add_parser("plan", help="capacity plan for a base model and a rank mix (offline, no server)")
+    plan.add_arguments(planner)
     return ap
 
 
@@ -58,6 +72,12 @@ def format_adapters(adapters: list[dict], full: bool = False) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "plan":
+        try:
+            return plan.run(args)
+        except (ValueError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     client = ManyLoraClient(grpc_url=args.url, http_url=args.http_url, timeout=args.timeout)
     try:
         if args.command == "generate":
@@ -76,13 +96,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for piece in client.stream(args.prompt, **sampling):
                     print(piece, end="", flush=True)
                 print()
+        elif args.command == "adapters" and args.adapters_command == "load":
+            path = Path(args.path)
+            if not path.is_absolute() and path.exists():  # the server's working directory is not ours
+                path = path.resolve()
+            info = client.load_adapter(args.name, str(path), sha256=args.sha256, replace=args.replace)
+            print(json.dumps(info, indent=2))
+        elif args.command == "adapters" and args.adapters_command == "unload":
+            print(json.dumps(client.unload_adapter(args.name), indent=2))
         elif args.command == "adapters":
             adapters = client.list_adapters()
             print(json.dumps(adapters, indent=2) if args.json else format_adapters(adapters, args.full))
         elif args.command == "stats":
             print(json.dumps(client.stats(), indent=2))
     except ManyLoraError as e:
-        print(f"error: {e.message}", file=sys.stderr)
+        print(f"error: {e.message}" + (f" ({e.status})" if e.status else ""), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -36,6 +36,8 @@ ENGINE_PARAMS = (
     "gpu_memory_fraction",
     "max_queue_size",
 )
+# config.pbtxt parameters of the generator model file itself, not EngineConfig fields
+MODEL_PARAMS = ("metrics_adapter_labels",)
 PLACEHOLDER = re.compile(r"\$\{([a-z_]+)\}")
 
 
@@ -67,7 +69,7 @@ def install_stub(home: Path | None = None) -> Path:
 
 
 def check_engine_params(params: dict[str, str]) -> None:
-    known = set(ENGINE_PARAMS)
+    known = set(ENGINE_PARAMS) | set(MODEL_PARAMS)
     try:  # the engine's own list, where it is importable
         from backend.config import EngineConfig
 
@@ -76,7 +78,7 @@ def check_engine_params(params: dict[str, str]) -> None:
         pass
     unknown = sorted(set(params) - known)
     if unknown:
-        raise ValueError(f"unknown engine parameter(s) {unknown}; known: {sorted(known)}")
+        raise ValueError(f"unknown parameter(s) {unknown}; known: {sorted(known)}")
 
 
 def render_repository(
@@ -92,7 +94,7 @@ def render_repository(
     base_model = Path(base_model).resolve()
     if not (base_model / "config.json").is_file():
         raise FileNotFoundError(f"{base_model}/config.json not found: --base-model must be a checkpoint dir")
-    values = {name: "" for name in ENGINE_PARAMS}
+    values = {name: "" for name in (*ENGINE_PARAMS, *MODEL_PARAMS)}
     values.update(params)
     values["base_model"] = str(base_model)
     values["tokenizer_dir"] = str(base_model)

@@ -3,6 +3,12 @@
 Decoupled. execute() hands each request to the engine and returns at once; the engine
 thread calls emit() for every chunk, and emit() sends it on the request's response sender
 (FINAL on the last). Errors are per request: one bad request never fails its batch.
+
+Request tensors become a GenerationRequest in backend/request_parsing.py (plain Python, fuzzed).
+Control requests (`control` = JSON): list_adapters, stats, load_adapter, unload_adapter; the
+last two need MANYLORA_ALLOW_RUNTIME_ADAPTERS=1 in the server's environment (the engine's
+RequestError code and message come back as the Triton error otherwise).
+Metrics: generator_metrics.MetricsObserver (pb_utils.MetricFamily), the engine's observer.
 """
 
 from __future__ import annotations
@@ -14,17 +20,22 @@ from collections import Counter
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+from generator_metrics import MetricsObserver, StatsPoller
+from generator_metrics import close as close_metrics
 
 from backend.catalogue import load_catalogue_file
 from backend.config import EngineConfig
 from backend.engine import Engine
 from backend.errors import ErrorCode, RequestError
-from backend.request import GenerationOutput, GenerationRequest, SamplingParams
+from backend.request import GenerationOutput
+from backend.request_parsing import parse_control, parse_generation
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-# config.pbtxt parameters that are not EngineConfig fields by the same name
-NOT_ENGINE_FIELDS = ("base_model", "adapters", "device")
-SAMPLING_INPUTS = {"max_tokens": int, "temperature": float, "top_k": int, "top_p": float, "seed": int}
+# config.pbtxt parameters that are not EngineConfig fields: the checkpoint, the catalogue, the
+# device (resolved here) and the model file's own settings (metrics)
+NOT_ENGINE_FIELDS = ("base_model", "adapters", "device", "metrics_adapter_labels")
+INPUTS = ("input_ids", "max_tokens", "lora_name", "stream", "temperature", "top_k", "top_p", "seed", "stop")
+DEFAULT_ADAPTER_LABELS = 100
 
 
 def _triton_error(code: ErrorCode | str, message: str):
@@ -32,37 +43,29 @@ def _triton_error(code: ErrorCode | str, message: str):
     return pb_utils.TritonError(message, getattr(pb_utils.TritonError, name, pb_utils.TritonError.INTERNAL))
 
 
-def _array(request, name: str) -> np.ndarray | None:
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    return None if tensor is None else tensor.as_numpy().reshape(-1)
+def _inputs(request) -> dict[str, np.ndarray]:
+    """The request's tensors as numpy arrays (with the batch dimension), by input name."""
+    arrays = {}
+    for name in INPUTS:
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is not None:
+            arrays[name] = tensor.as_numpy()
+    return arrays
 
 
-def _text(value, name: str) -> str:
-    if not isinstance(value, bytes):
-        return str(value)
-    try:
-        return value.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise RequestError(ErrorCode.INVALID_ARG, f"{name} is not valid UTF-8 ({e})") from None
-
-
-def _scalar(request, name: str):
-    values = _array(request, name)
-    if values is None:
-        return None
-    if values.size != 1:
-        raise RequestError(ErrorCode.INVALID_ARG, f"{name} must hold one value, got {values.size}")
-    return values[0]
-
-
-def engine_config(parameters: dict) -> EngineConfig:
-    """config.pbtxt parameters -> EngineConfig; empty values keep the engine's defaults."""
+def _parameters(parameters: dict) -> dict[str, str]:
     values = {k: v.get("string_value", "") for k, v in parameters.items()}
     unset = [k for k, v in values.items() if "${" in v]
     if unset:
         raise pb_utils.TritonModelException(
             f"generator: parameters {unset} are not filled in; render the repository with scripts/serve.py"
         )
+    return values
+
+
+def engine_config(parameters: dict) -> EngineConfig:
+    """config.pbtxt parameters -> EngineConfig; empty values keep the engine's defaults."""
+    values = _parameters(parameters)
     if not values.get("base_model"):
         raise pb_utils.TritonModelException("generator: parameter 'base_model' (a checkpoint directory) is empty")
     device = values.get("device") or "auto"
@@ -76,13 +79,49 @@ def engine_config(parameters: dict) -> EngineConfig:
     return EngineConfig.from_strings(knobs, model_dir=values["base_model"], adapters=adapters, device=device)
 
 
+def adapter_label_limit(parameters: dict) -> int:
+    raw = _parameters(parameters).get("metrics_adapter_labels", "").strip()
+    if not raw:
+        return DEFAULT_ADAPTER_LABELS
+    try:
+        limit = int(raw)
+    except ValueError:
+        message = f"generator: metrics_adapter_labels must be an integer, got {raw!r}"
+        raise pb_utils.TritonModelException(message) from None
+    if limit < 0:
+        raise pb_utils.TritonModelException(f"generator: metrics_adapter_labels must be >= 0, got {limit}")
+    return limit
+
+
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
-        config = engine_config(json.loads(args["model_config"]).get("parameters", {}))
-        pb_utils.Logger.log_info(f"generator: starting engine on {config.device} with {len(config.adapters)} adapters")
-        self.engine = Engine(config)
+        parameters = json.loads(args["model_config"]).get("parameters", {})
+        config = engine_config(parameters)
+        self.metrics = self._create_metrics(adapter_label_limit(parameters))
+        self.poller: StatsPoller | None = None
+        pb_utils.Logger.log_info(
+            f"generator: starting engine on {config.device} with {len(config.adapters)} adapters "
+            f"(runtime adapter updates {'on' if config.allow_runtime_adapters else 'off'}, "
+            f"custom metrics {'registered' if self.metrics else 'off'})"
+        )
+        try:
+            self.engine = Engine(config, observer=self.metrics)
+        except Exception as e:
+            # the message names the adapter (a pinned sha256 that does not match, a bad catalogue entry)
+            pb_utils.Logger.log_error(f"generator: engine failed to start: {e}")
+            raise pb_utils.TritonModelException(f"generator: engine failed to start: {e}") from e
+        if self.metrics is not None:
+            self.poller = StatsPoller(self.engine.stats, self.metrics, 0.5, pb_utils.Logger.log_warn).start()
         self._ids = itertools.count()
         self._execute_sizes: Counter[int] = Counter()  # requests per execute() call: is Triton batching?
+
+    @staticmethod
+    def _create_metrics(adapter_labels: int) -> MetricsObserver | None:
+        try:
+            return MetricsObserver(pb_utils, adapter_labels, on_error=pb_utils.Logger.log_warn)
+        except Exception as e:  # noqa: BLE001 - metrics off (--allow-metrics=false): serve without them
+            pb_utils.Logger.log_warn(f"generator: custom metrics unavailable, running without them ({e})")
+            return None
 
     def execute(self, requests: list) -> None:
         self._execute_sizes[len(requests)] += 1
@@ -99,50 +138,41 @@ class TritonPythonModel:
         return None
 
     def finalize(self) -> None:
+        if self.poller is not None:
+            self.poller.stop()
         self.engine.shutdown()
+        close_metrics(self.metrics)
 
     def _submit(self, request, sender) -> None:
-        control = _scalar(request, "control")
+        control = pb_utils.get_input_tensor_by_name(request, "control")
         if control is not None:
-            self._control(_text(control, "control"), sender)
+            self._control(parse_control(control.as_numpy()), sender)
             return
-        prompt = _array(request, "input_ids")
-        if prompt is None:
-            raise RequestError(ErrorCode.INVALID_ARG, "input_ids is missing (or send 'control' for a control request)")
-        kwargs = {}
-        for name, cast in SAMPLING_INPUTS.items():
-            value = _scalar(request, name)
-            if value is not None:
-                kwargs[name] = cast(value)
-        stop = _array(request, "stop")
-        if stop is not None:
-            kwargs["stop"] = tuple(s for s in (_text(v, "stop") for v in stop) if s)
-        adapter = _scalar(request, "lora_name")
-        adapter = _text(adapter, "lora_name") if adapter is not None else ""
-        stream = _scalar(request, "stream")
-        gen = GenerationRequest(
-            request_id=f"{request.request_id() or 'req'}#{next(self._ids)}",
-            prompt_ids=[int(t) for t in prompt],
-            adapter=adapter or None,
-            sampling=SamplingParams(**kwargs),
-            stream=bool(stream) if stream is not None else False,
-            is_cancelled=sender.is_cancelled,
-        )
+        try:
+            gen = parse_generation(
+                _inputs(request), f"{request.request_id() or 'req'}#{next(self._ids)}", sender.is_cancelled
+            )
+        except RequestError as e:  # the engine never saw it: count it here
+            if self.metrics is not None:
+                self.metrics.request_failed(None, e.code.value)
+            raise
         self.engine.submit(gen, _Emitter(sender))
 
-    def _control(self, command: str, sender) -> None:
-        try:
-            op = json.loads(command).get("op")
-        except (json.JSONDecodeError, AttributeError):
-            message = f"control must be a JSON object with 'op', got {command!r}"
-            raise RequestError(ErrorCode.INVALID_ARG, message) from None
+    def _control(self, command: dict, sender) -> None:
+        op = command["op"]
         if op == "list_adapters":
             result = {"adapters": self.engine.list_adapters()}
         elif op == "stats":
             sizes = sorted(self._execute_sizes.items())
             result = {**self.engine.stats(), "execute_batch_sizes": {str(k): v for k, v in sizes}}
-        else:
-            raise RequestError(ErrorCode.INVALID_ARG, f"unknown control op {op!r}; known: list_adapters, stats")
+        elif op == "load_adapter":
+            result = self.engine.load_adapter(
+                command["name"], command["path"], sha256=command["sha256"], replace=command["replace"]
+            )
+        elif op == "unload_adapter":
+            result = self.engine.unload_adapter(command["name"])
+        else:  # parse_control knows the ops
+            raise RequestError(ErrorCode.INVALID_ARG, f"unknown control op {op!r}")
         payload = np.array([[json.dumps(result).encode("utf-8")]], dtype=np.object_)
         sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("control_output", payload)]), flags=FINAL)
 

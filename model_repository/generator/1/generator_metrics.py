@@ -1,0 +1,210 @@
+"""Prometheus metrics of the generator, through the Python backend's custom metrics API.
+
+MetricsObserver is the engine's EngineObserver: its callbacks run on the engine thread (and
+adapter loads on the loader threads), so each one is a dict lookup and a MetricFamily call,
+and none raises. Gauges and the adapter-tier counters come from Engine.stats(), polled by
+a background thread (StatsPoller); counters advance by the deltas between polls.
+
+The Triton API is passed in (``pb_utils``), so tests can hand in a fake.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from backend.observer import AdapterLabels
+
+LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+LOAD_BUCKETS = [0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+
+# name -> (kind, description, buckets or None); every family the generator exports
+FAMILIES: dict[str, tuple[str, str, list[float] | None]] = {
+    "manylora_requests_total": ("COUNTER", "Requests admitted, by adapter", None),
+    "manylora_request_errors_total": ("COUNTER", "Requests that ended in an error, by adapter and code", None),
+    "manylora_prompt_tokens_total": ("COUNTER", "Prompt tokens of finished requests, by adapter", None),
+    "manylora_output_tokens_total": ("COUNTER", "Output tokens of finished requests, by adapter", None),
+    "manylora_time_to_first_token_seconds": ("HISTOGRAM", "Submit to first token, by adapter", LATENCY_BUCKETS),
+    "manylora_inter_token_latency_seconds": ("HISTOGRAM", "Time between tokens of a request, by adapter", ITL_BUCKETS),
+    "manylora_queue_time_seconds": ("HISTOGRAM", "Submit to first scheduled step, by adapter", LATENCY_BUCKETS),
+    "manylora_adapter_load_seconds": ("HISTOGRAM", "Adapter load from disk into the host cache", LOAD_BUCKETS),
+    "manylora_adapter_loads_total": ("COUNTER", "Adapter uploads into the GPU pool", None),
+    "manylora_adapter_evictions_total": ("COUNTER", "Adapters evicted from the GPU pool", None),
+    "manylora_host_cache_hits_total": ("COUNTER", "Adapter lookups served by the host-memory cache", None),
+    "manylora_host_cache_misses_total": ("COUNTER", "Adapter lookups that had to read the disk", None),
+    "manylora_host_cache_loads_total": ("COUNTER", "Adapters read from disk into the host cache", None),
+    "manylora_pool_pages": ("GAUGE", "Pages of the unified pool by use (kv, adapters, free)", None),
+    "manylora_requests_running": ("GAUGE", "Requests in the running batch", None),
+    "manylora_requests_waiting": ("GAUGE", "Requests waiting for admission", None),
+    "manylora_adapters_resident": ("GAUGE", "Adapters resident in the GPU pool", None),
+}
+PER_ADAPTER = {name for name in FAMILIES if name.startswith(("manylora_request", "manylora_prompt", "manylora_output",
+                                                             "manylora_time_to", "manylora_inter", "manylora_queue"))}
+PER_ADAPTER -= {"manylora_requests_running", "manylora_requests_waiting"}
+# stats() counter -> metric family it advances
+STATS_COUNTERS = {
+    "adapter_uploads": "manylora_adapter_loads_total",
+    "adapter_evictions": "manylora_adapter_evictions_total",
+    "host_hits": "manylora_host_cache_hits_total",
+    "host_misses": "manylora_host_cache_misses_total",
+    "host_loads": "manylora_host_cache_loads_total",
+}
+
+
+class MetricsObserver:
+    """EngineObserver that records into pb_utils.MetricFamily metrics.
+
+    Raises at construction if the server runs with metrics off (MetricFamily creation
+    fails); the caller then runs without metrics.
+    """
+
+    def __init__(self, pb_utils, adapter_labels: int = 100, on_error: Callable[[str], None] | None = None) -> None:
+        self._pb = pb_utils
+        self._on_error = on_error or (lambda message: None)
+        self.labels = AdapterLabels(adapter_labels)
+        self._families = {}
+        for name, (kind, description, _) in FAMILIES.items():
+            kind_value = getattr(pb_utils.MetricFamily, kind)
+            self._families[name] = pb_utils.MetricFamily(name=name, description=description, kind=kind_value)
+        self._metrics: dict[tuple, object] = {}
+        self._lock = threading.Lock()
+        self._errors_reported = 0
+        self._labelled: set[str] = set()  # adapters with their own label (at most adapter_labels)
+        for name in FAMILIES:  # series without labels exist from the start
+            if name != "manylora_pool_pages" and name not in PER_ADAPTER:
+                self.metric(name)
+        for use in ("kv", "adapters", "free"):
+            self.metric("manylora_pool_pages", use=use)
+
+    def _failed_label(self, adapter: str | None) -> str:
+        """An adapter that failed before it was ever admitted (an unknown name, a flood of random
+        names) gets no label of its own: "other", so refusals cannot exhaust the label budget."""
+        if not adapter:
+            return "base"
+        return adapter if adapter in self._labelled else "other"
+
+    def metric(self, family: str, **labels: str):
+        key = (family, *sorted(labels.items()))
+        metric = self._metrics.get(key)
+        if metric is None:
+            with self._lock:
+                metric = self._metrics.get(key)
+                if metric is None:
+                    buckets = FAMILIES[family][2]
+                    fam = self._families[family]
+                    metric = fam.Metric(labels=labels, buckets=buckets) if buckets else fam.Metric(labels=labels)
+                    self._metrics[key] = metric
+        return metric
+
+    def _safe(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - metrics must never break the engine thread
+            if self._errors_reported < 5:
+                self._errors_reported += 1
+                self._on_error(f"generator metrics: {type(e).__name__}: {e}")
+
+    # -- EngineObserver --------------------------------------------------------------------
+    def request_arrived(self, adapter: str | None) -> None:
+        def record() -> None:
+            label = self.labels(adapter)
+            if adapter and label == adapter:
+                self._labelled.add(adapter)
+            self.metric("manylora_requests_total", adapter=label).increment(1)
+
+        self._safe(record)
+
+    def request_failed(self, adapter: str | None, code: str) -> None:
+        def record() -> None:
+            labels = {"adapter": self._failed_label(adapter), "code": str(code)}
+            self.metric("manylora_request_errors_total", **labels).increment(1)
+
+        self._safe(record)
+
+    def first_token(self, adapter: str | None, queue_s: float, ttft_s: float) -> None:
+        def record() -> None:
+            label = self.labels(adapter)
+            self.metric("manylora_queue_time_seconds", adapter=label).observe(max(0.0, float(queue_s)))
+            self.metric("manylora_time_to_first_token_seconds", adapter=label).observe(max(0.0, float(ttft_s)))
+
+        self._safe(record)
+
+    def next_token(self, adapter: str | None, itl_s: float) -> None:
+        self._safe(lambda: self.metric("manylora_inter_token_latency_seconds", adapter=self.labels(adapter))
+                   .observe(max(0.0, float(itl_s))))
+
+    def request_finished(self, adapter: str | None, prompt_tokens: int, output_tokens: int, reason: str) -> None:
+        def record() -> None:
+            label = self.labels(adapter)
+            self.metric("manylora_prompt_tokens_total", adapter=label).increment(int(prompt_tokens))
+            self.metric("manylora_output_tokens_total", adapter=label).increment(int(output_tokens))
+
+        self._safe(record)
+
+    def adapter_loaded(self, adapter: str, seconds: float) -> None:
+        self._safe(lambda: self.metric("manylora_adapter_load_seconds").observe(max(0.0, float(seconds))))
+
+    # -- from Engine.stats() ----------------------------------------------------------------
+    def record_stats(self, stats: dict, previous: dict) -> None:
+        """Set the gauges and advance the tier counters by what changed since ``previous``."""
+        for use in ("kv", "adapters", "free"):
+            if f"pool_pages_{use}" in stats:
+                self.metric("manylora_pool_pages", use=use).set(float(stats[f"pool_pages_{use}"]))
+        if "running" in stats:
+            self.metric("manylora_requests_running").set(float(stats["running"]))
+        if "waiting" in stats:
+            self.metric("manylora_requests_waiting").set(float(stats["waiting"]))
+        resident = stats.get("adapters_resident")
+        if resident is not None:
+            count = len(resident) if isinstance(resident, (list, tuple, set, dict)) else resident
+            self.metric("manylora_adapters_resident").set(float(count))
+        for key, family in STATS_COUNTERS.items():
+            if key in stats:
+                delta = int(stats[key]) - int(previous.get(key, 0))
+                metric = self.metric(family)
+                if delta > 0 or key not in previous:  # the first poll creates the series at 0
+                    metric.increment(max(0, delta))
+
+
+class StatsPoller:
+    """Polls ``stats()`` every ``interval`` seconds into ``observer.record_stats`` (daemon thread)."""
+
+    def __init__(self, stats: Callable[[], dict], observer: MetricsObserver, interval: float = 0.5,
+                 on_error: Callable[[str], None] | None = None) -> None:
+        self._stats, self._observer, self._interval = stats, observer, interval
+        self._on_error = on_error or (lambda message: None)
+        self._stop = threading.Event()
+        self._previous: dict = {}
+        self._thread = threading.Thread(target=self._run, name="manylora-metrics", daemon=True)
+
+    def start(self) -> StatsPoller:
+        self._thread.start()
+        return self
+
+    def poll(self) -> None:
+        stats = self._stats()
+        self._observer.record_stats(stats, self._previous)
+        self._previous = {k: stats[k] for k in STATS_COUNTERS if k in stats}
+
+    def _run(self) -> None:
+        failures = 0
+        while not self._stop.wait(self._interval):
+            try:
+                self.poll()
+            except Exception as e:  # noqa: BLE001 - a failed poll is retried at the next tick
+                failures += 1
+                if failures <= 5:
+                    self._on_error(f"generator metrics poll: {type(e).__name__}: {e}")
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+
+def close(observer: MetricsObserver | None) -> None:
+    """Drop the Metric objects before their families (the backend insists on that order)."""
+    if observer is not None:
+        observer._metrics.clear()
+        observer._families.clear()

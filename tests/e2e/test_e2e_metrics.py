@@ -1,0 +1,231 @@
+"""Metrics (issue "see inside"): the generator's MetricsObserver, the Grafana dashboard, and the
+real server's /metrics after known traffic."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DASHBOARD = REPO / "deploy" / "grafana-dashboard.json"
+PROMPTS = ("In the morning the baker", "The river runs by")
+
+
+def _load_metrics_module():
+    path = REPO / "model_repository" / "generator" / "1" / "generator_metrics.py"
+    spec = importlib.util.spec_from_file_location("generator_metrics", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gm = _load_metrics_module()
+
+
+# -- the observer against a fake pb_utils --------------------------------------------------
+
+class _FakeMetric:
+    def __init__(self, labels, buckets):
+        self.labels, self.buckets, self.value, self.observed = labels, buckets, 0.0, []
+
+    def increment(self, v):
+        assert v >= 0
+        self.value += v
+
+    def set(self, v):
+        self.value = v
+
+    def observe(self, v):
+        assert self.buckets is not None
+        self.observed.append(v)
+
+
+class _FakeFamily:
+    COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+    created: list = []
+
+    def __init__(self, name, description, kind):
+        self.name, self.kind, self.metrics = name, kind, []
+        _FakeFamily.created.append(self)
+
+    def Metric(self, labels=None, buckets=None):  # noqa: N802 - the pb_utils spelling
+        assert (buckets is not None) == (self.kind == "histogram"), self.name
+        metric = _FakeMetric(labels or {}, buckets)
+        self.metrics.append(metric)
+        return metric
+
+
+class _FakePb:
+    MetricFamily = _FakeFamily
+
+
+class _NoMetricsPb:
+    class MetricFamily:
+        COUNTER = GAUGE = HISTOGRAM = 0
+
+        def __init__(self, **_):
+            raise RuntimeError("Failed to create metric family: metrics not supported")
+
+
+def _value(observer, family, **labels):
+    return observer.metric(family, **labels).value
+
+
+def test_observer_records_and_bounds_adapter_labels():
+    obs = gm.MetricsObserver(_FakePb, adapter_labels=2)
+    for name in ["a", "b", "c", "d", None, "a"]:
+        obs.request_arrived(name)
+    assert _value(obs, "manylora_requests_total", adapter="a") == 2
+    assert _value(obs, "manylora_requests_total", adapter="other") == 2  # c, d
+    assert _value(obs, "manylora_requests_total", adapter="base") == 1
+    obs.request_failed("a", "INVALID_ARG")
+    for i in range(1000):  # unknown names never admitted: no label each
+        obs.request_failed(f"random-{i}", "NOT_FOUND")
+    assert _value(obs, "manylora_request_errors_total", adapter="other", code="NOT_FOUND") == 1000
+    obs.first_token("a", 0.01, 0.2)
+    obs.next_token("a", 0.02)
+    obs.request_finished("a", 7, 3, "length")
+    obs.adapter_loaded("a", 0.5)
+    assert _value(obs, "manylora_prompt_tokens_total", adapter="a") == 7
+    assert obs.metric("manylora_time_to_first_token_seconds", adapter="a").observed == [0.2]
+    assert obs.metric("manylora_adapter_load_seconds").observed == [0.5]
+    labels = {tuple(sorted(m.labels.items())) for f in _FakeFamily.created for m in f.metrics}
+    assert len({dict(lab).get("adapter") for lab in labels} - {None}) <= 2 + 2  # a, b + base, other
+
+
+def test_observer_stats_gauges_and_counter_deltas():
+    obs = gm.MetricsObserver(_FakePb)
+    poller = gm.StatsPoller(lambda: stats, obs)
+    stats = {"pool_pages_kv": 3, "pool_pages_adapters": 5, "pool_pages_free": 90, "running": 2, "waiting": 1,
+             "adapters_resident": ["a", "b"], "adapter_uploads": 4, "adapter_evictions": 1, "host_hits": 2,
+             "host_misses": 4, "host_loads": 4}
+    poller.poll()
+    stats = {**stats, "adapter_uploads": 6, "host_hits": 5, "adapters_resident": ["a"]}
+    poller.poll()
+    assert _value(obs, "manylora_pool_pages", use="free") == 90
+    assert _value(obs, "manylora_adapters_resident") == 1
+    assert _value(obs, "manylora_adapter_loads_total") == 6
+    assert _value(obs, "manylora_host_cache_hits_total") == 5
+    assert _value(obs, "manylora_adapter_evictions_total") == 1
+
+
+def test_observer_never_raises():
+    obs = gm.MetricsObserver(_FakePb)
+    obs.first_token("a", "not a number", None)  # swallowed
+    obs.request_finished("a", None, None, "x")
+
+
+def test_metrics_off_raises_at_creation():
+    with pytest.raises(RuntimeError, match="metrics not supported"):
+        gm.MetricsObserver(_NoMetricsPb)
+
+
+# -- the dashboard -------------------------------------------------------------------------
+
+def _dashboard_metrics() -> set[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    exprs += [v["definition"] for v in dashboard["templating"]["list"] if "definition" in v]
+    names = set()
+    for expr in exprs:
+        names |= set(re.findall(r"\b(manylora_[a-z_]+)", expr))
+    return names
+
+
+def _exported(name: str) -> str:
+    return re.sub(r"_(bucket|count|sum)$", "", name)
+
+
+def test_dashboard_is_json_and_uses_only_exported_metrics():
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert dashboard["panels"] and any(v["type"] == "datasource" for v in dashboard["templating"]["list"])
+    for panel in dashboard["panels"]:
+        assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
+    used = _dashboard_metrics()
+    unknown = {n for n in used if _exported(n) not in gm.FAMILIES}
+    assert not unknown, unknown
+    histograms = {n for n, (kind, _, _) in gm.FAMILIES.items() if kind == "HISTOGRAM"}
+    assert {_exported(n) for n in used} >= histograms | {"manylora_requests_total", "manylora_pool_pages"}
+    assert all(f"{h}_bucket" in used for h in histograms if h != "manylora_adapter_load_seconds")
+
+
+# -- the real server -----------------------------------------------------------------------
+
+SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+def scrape(server) -> dict[tuple[str, frozenset], float]:
+    samples = {}
+    for line in server.metrics().splitlines():
+        match = SAMPLE.match(line)
+        if match and not line.startswith("#"):
+            labels = frozenset(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
+            samples[(match.group(1), labels)] = float(match.group(3))
+    return samples
+
+
+def _get(samples, name, **labels) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+@pytest.mark.e2e
+def test_metrics_after_known_traffic(server, client, tokenizer):
+    adapters = [None, *sorted(server.catalogue)[:2]]
+    time.sleep(1.2)  # a stats poll after any earlier traffic
+    before = scrape(server)
+    sent: dict[str, dict[str, int]] = {}
+    for adapter in adapters:
+        label = adapter or "base"
+        sent[label] = {"requests": 0, "prompt": 0, "output": 0}
+        for prompt in PROMPTS:
+            ids = tokenizer.encode(prompt, add_special_tokens=True).ids
+            out = client.generate_ids(ids, adapter=adapter, max_tokens=6)
+            sent[label]["requests"] += 1
+            sent[label]["prompt"] += len(ids)
+            sent[label]["output"] += len(out)
+    with pytest.raises(Exception, match="nope"):
+        client.generate("Hi", adapter="nope", max_tokens=2)
+    time.sleep(1.5)
+    after = scrape(server)
+
+    def delta(name, **labels):
+        return _get(after, name, **labels) - _get(before, name, **labels)
+
+    for label, counts in sent.items():
+        assert delta("manylora_requests_total", adapter=label) == counts["requests"], label
+        assert delta("manylora_prompt_tokens_total", adapter=label) == counts["prompt"], label
+        assert delta("manylora_output_tokens_total", adapter=label) == counts["output"], label
+        assert delta("manylora_time_to_first_token_seconds_count", adapter=label) == counts["requests"], label
+        assert delta("manylora_queue_time_seconds_count", adapter=label) == counts["requests"], label
+        itl = delta("manylora_inter_token_latency_seconds_count", adapter=label)
+        assert itl == counts["output"] - counts["requests"], (label, itl)
+        ttft = delta("manylora_time_to_first_token_seconds_sum", adapter=label) / counts["requests"]
+        assert 0 < ttft < 30, ttft
+    assert delta("manylora_request_errors_total", adapter="other", code="NOT_FOUND") == 1
+    names = {name for name, _ in after}
+    for family, (kind, _, _) in gm.FAMILIES.items():
+        expected = f"{family}_count" if kind == "HISTOGRAM" else family
+        assert expected in names, family
+    assert _get(after, "manylora_pool_pages", use="free") > 0
+    total = sum(_get(after, "manylora_pool_pages", use=u) for u in ("kv", "adapters", "free"))
+    assert total == client.stats()["pool_pages_total"]
+    assert _get(after, "manylora_adapters_resident") >= 1
+    assert _get(after, "manylora_adapter_loads_total") >= 1
+    assert _get(after, "manylora_requests_running") == 0 and _get(after, "manylora_requests_waiting") == 0
+    assert _get(after, "manylora_adapter_load_seconds_count") == _get(after, "manylora_host_cache_loads_total")
+
+
+@pytest.mark.e2e
+def test_adapter_label_cardinality_is_bounded(admin_server):
+    """metrics_adapter_labels=3 on the admin server: more adapters than that share "other"."""
+    client = admin_server.client()
+    for adapter in sorted(admin_server.catalogue):  # 4 adapters
+        client.generate("The river", adapter=adapter, max_tokens=2)
+    samples = scrape(admin_server)
+    labels = {dict(lab).get("adapter") for name, lab in samples if name == "manylora_requests_total"}
+    assert "other" in labels and len(labels - {"other", "base"}) <= 3, labels

@@ -1,0 +1,89 @@
+"""Servers of their own: a pinned sha256 that does not match refuses to start (naming the
+adapter), and a dead generator stub is caught by scripts/healthcheck.py while Triton 2.51's
+/v2/health/ready still says ready."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+HEALTHCHECK = REPO / "scripts" / "healthcheck.py"
+
+
+def healthcheck(server, timeout: float = 10.0) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(HEALTHCHECK), "--url", server.grpc_url, "--timeout", str(timeout)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout + 60)
+
+
+def test_pinned_sha256_mismatch_refuses_to_start(model_dir, tmp_path, make_server):
+    catalogue = json.loads((model_dir / "catalogue.json").read_text())
+    pinned = {name: path for name, path in catalogue.items()}
+    pinned["shout"] = {"path": catalogue["shout"], "sha256": "0" * 64}
+    catalogue_file = tmp_path / "pinned.json"
+    catalogue_file.write_text(json.dumps(pinned))
+    srv = make_server(model_dir, tmp_path, catalogue_file=catalogue_file, wait=False)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and srv.process.poll() is None:
+            if "failed to load" in srv.log_tail(400) or "engine failed to start" in srv.log_tail(400):
+                break
+            time.sleep(0.5)
+        time.sleep(1)
+        log = srv.log.read_text(errors="replace")
+        assert "engine failed to start" in log, srv.log_tail()
+        lines = [line for line in log.splitlines() if "engine failed to start" in line]
+        assert any("'shout'" in line and "sha256" in line for line in lines), lines
+        assert not srv.model_ready("generator")
+        srv.wait_exit(60)  # tritonserver (--exit-on-error, the default) exits: not all models loaded
+        print("startup refusal:", lines[0][:300], "| exit code", srv.process.returncode)
+        assert srv.process.returncode not in (None, 0), srv.log_tail()
+    finally:
+        srv.stop()
+
+
+def _ps() -> list[tuple[int, int, str]]:
+    """(pid, ppid, command line) of every process; -ww: pytest sets COLUMNS, which ps obeys and truncates."""
+    out = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True, check=True).stdout
+    rows = []
+    for line in out.splitlines():
+        parts = line.strip().split(None, 2)
+        if len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit():
+            rows.append((int(parts[0]), int(parts[1]), parts[2]))
+    return rows
+
+
+def _generator_stubs(server_pid: int) -> list[int]:
+    """Pids of the server's triton_python_backend_stub children that run the generator model."""
+    return [pid for pid, ppid, args in _ps()
+            if ppid == server_pid and "triton_python_backend_stub" in args and "/generator/1/model.py" in args]
+
+
+def test_dead_stub_is_caught_by_the_healthcheck(model_dir, tmp_path, make_server):
+    srv = make_server(model_dir, tmp_path)
+    try:
+        ok = healthcheck(srv)
+        assert ok.returncode == 0, ok.stderr
+        assert ok.stdout.startswith("ok:"), ok.stdout
+        stubs = _generator_stubs(srv.process.pid)
+        assert len(stubs) == 1, (srv.process.pid, [r for r in _ps() if "stub" in r[2]])
+        os.kill(stubs[0], signal.SIGKILL)  # the stub this test's server started
+        time.sleep(2)
+        assert srv.process.poll() is None, "tritonserver died with the stub"
+        ready = srv.live() and srv.model_ready("generator")
+        dead = healthcheck(srv, timeout=10)
+        print(f"after kill: /v2/health/ready and generator ready = {ready}; healthcheck rc={dead.returncode}: "
+              f"{dead.stderr.strip()[:300]}")
+        assert ready, "Triton 2.51 now reports the dead stub (readiness tied to stub health?)"
+        assert dead.returncode != 0 and dead.stderr.startswith("unhealthy:"), (dead.returncode, dead.stderr)
+    finally:
+        srv.stop()
