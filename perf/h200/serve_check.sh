@@ -5,9 +5,11 @@
 set -u
 OUT=${1:-/tmp/serve_check}
 mkdir -p "$OUT"
-source perf/h200/env.sh
-python -m backend.embedded.build --out /tmp/default > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
-python - <<'PY'
+# the build and the bf16 conversion use the image's python3 (numpy 2: its transformers needs it);
+# the server's stub and the client use the venv from env.sh (numpy 1.26 for the 2.51 stub)
+export PYTHONPATH=$PWD
+python3 -m backend.embedded.build --out /tmp/default > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
+python3 - <<'PY'
 import shutil, torch
 from transformers import AutoModelForCausalLM
 m = AutoModelForCausalLM.from_pretrained("/tmp/default/base", dtype=torch.bfloat16)
@@ -19,6 +21,7 @@ for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         pass
 import json; print("checkpoint dtype:", json.load(open("/tmp/bf16/config.json")).get("dtype"))
 PY
+source perf/h200/env.sh
 python scripts/serve.py --base-model /tmp/bf16 --adapters /tmp/default/catalogue.json --param device=cuda \
   --http-port 8000 --grpc-port 8001 --metrics-port 8002 > "$OUT/server.log" 2>&1 &
 SERVER=$!
