@@ -32,14 +32,14 @@ done
 echo "== ready after ${i}s"
 python -m client adapters list
 python -m client stats | tr ',' '\n' | grep -E '"(device|dtype|kernels|pool_pages_total|adapters_resident)"' || python -m client stats
-for a in "" shout pirate; do
+for a in "" shout pirate whisper numbers; do
   echo "== adapter '${a:-base}' (streamed over gRPC)"
-  python -m client generate ${a:+--adapter $a} --max-tokens 24 "The baker opened the shop"
+  python -m client generate ${a:+--adapter $a} --max-tokens 24 "Every Saturday there is a market"
   echo
 done
 echo "== /generate (HTTP, one response)"
 curl -s -X POST localhost:8000/v2/models/llm/generate \
-  -d '{"text_input": "The baker opened the shop", "max_tokens": 24, "lora_name": "shout"}'
+  -d '{"text_input": "Every Saturday there is a market", "max_tokens": 24, "lora_name": "shout"}'
 echo
 echo "== a bad request is refused alone"
 python -m client generate --adapter no-such-adapter "hello" 2>&1 | tail -1
