@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from enum import Enum
 
-import torch
-
 from backend.adapter import AdapterSpec
 from backend.adapter_packing import pages_for
 from backend.adapter_pool import AdapterPool, ResidentAdapter
@@ -83,6 +81,3 @@ class AdapterManager:
             **self.host.stats(),
         }
 
-
-def pin_memory_available(device: str) -> bool:
-    return device.startswith("cuda") and torch.cuda.is_available()

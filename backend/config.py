@@ -29,6 +29,7 @@ class EngineConfig:
         kernels: "auto" (Triton kernels for LoRA and decode attention on CUDA, torch on
             the CPU), "triton" or "torch".
         cuda_graphs: replay decode steps from CUDA graphs (CUDA with Triton kernels only).
+        warmup: compile the kernels for a spread of step sizes at startup (CUDA only).
         allow_runtime_adapters: accept load/unload/replace of adapters while serving; off
             unless the environment sets MANYLORA_ALLOW_RUNTIME_ADAPTERS=1 (as vLLM gates it).
         adapter_load_workers: threads that read, check and pack adapters from disk.
@@ -52,6 +53,7 @@ class EngineConfig:
     max_queue_size: int = 0
     kernels: str = "auto"
     cuda_graphs: bool = True
+    warmup: bool = True
     allow_runtime_adapters: bool = field(default_factory=lambda: _env_flag("MANYLORA_ALLOW_RUNTIME_ADAPTERS"))
     resolvers: str = ""
     adapter_load_workers: int = 4

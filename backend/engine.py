@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from backend.adapter import AdapterSpec
-from backend.adapter_manager import AdapterManager, pin_memory_available
+from backend.adapter_manager import AdapterManager
 from backend.catalogue import AdapterCatalogue
 from backend.config import EngineConfig
 from backend.cuda_graphs import DecodeGraphs, DecodeInputs
@@ -40,7 +40,8 @@ from backend.scheduler import ScheduledChunk, Scheduler
 from backend.sequence import Sequence
 from backend.sizing import adapter_pages, pool_pages_from_free
 from backend.step_batch import DecodeRows, SequenceSlice, StepBatch
-from backend.unified_pool import UnifiedPool, page_bytes
+from backend.unified_pool import ReservedPage, UnifiedPool, page_bytes
+from backend.warmup import warm_up
 
 log = logging.getLogger("manylora.engine")
 
@@ -125,12 +126,14 @@ class Engine:
         self.pool = UnifiedPool(cfg, self._num_pages(), config.page_size, self.dtype, self.device)
         self.kv = PagedKVCache(self.pool)
         host = HostAdapterCache(cfg, self.dtype, self.pool.page_elems, config.max_lora_rank, config.max_cpu_loras,
-                                pin_memory=pin_memory_available(self.device), workers=config.adapter_load_workers,
+                                pin_memory=False, workers=config.adapter_load_workers,
                                 on_load=lambda name, seconds: self.observer.adapter_loaded(name, seconds))
         self.adapters = AdapterManager(self.catalogue, self.pool, host, self.device)
         self._log_pool()
         self.scheduler = Scheduler(self.kv, self.adapters, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_loras)
+        if config.warmup and self.use_kernels and self.device.startswith("cuda"):
+            warm_up(self.model, self.kv, config.max_lora_rank, config.max_num_batched_tokens, config.max_num_seqs)
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graphs and self.use_kernels and self.device.startswith("cuda"):
             self._capture_graphs()
@@ -162,7 +165,7 @@ class Engine:
 
     def _capture_graphs(self) -> None:
         t0 = time.perf_counter()
-        scratch = self.pool.pages.allocate("cuda-graph padding", 1)[0]
+        scratch = self.pool.pages.allocate(ReservedPage("cuda-graph padding"), 1)[0]
         max_blocks = self.kv.pages_needed(self.max_len)
         self.graphs = DecodeGraphs(self.model, self.kv, scratch, self.config.max_num_seqs, max_blocks,
                                    self.config.max_loras, self.config.max_lora_rank)

@@ -42,6 +42,16 @@ class AdapterKey:
         return f"AdapterKey({self.name}@{self.sha256[:12]})"
 
 
+class ReservedPage:
+    """Page owner for pages the engine keeps for itself (CUDA-graph padding rows write there)."""
+
+    def __init__(self, purpose: str) -> None:
+        self.purpose = purpose
+
+    def __repr__(self) -> str:
+        return f"ReservedPage({self.purpose})"
+
+
 class UnifiedPool:
     """The pages, their bookkeeping, and views of the storage for each use."""
 
@@ -64,6 +74,9 @@ class UnifiedPool:
         return self.pages.num_pages
 
     def usage(self) -> dict[str, int]:
-        """Pages held by sequences' KV and by adapters, and free pages."""
-        adapter_pages = sum(len(self.pages.pages_of(o)) for o in self.pages.owners() if isinstance(o, AdapterKey))
-        return {"kv": self.pages.num_used - adapter_pages, "adapters": adapter_pages, "free": self.pages.num_free}
+        """Pages held by sequences' KV, by adapters and by the engine itself, and free pages."""
+        owners = self.pages.owners()
+        adapter_pages = sum(len(self.pages.pages_of(o)) for o in owners if isinstance(o, AdapterKey))
+        reserved = sum(len(self.pages.pages_of(o)) for o in owners if isinstance(o, ReservedPage))
+        return {"kv": self.pages.num_used - adapter_pages - reserved, "adapters": adapter_pages,
+                "reserved": reserved, "free": self.pages.num_free}

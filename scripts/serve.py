@@ -56,14 +56,19 @@ def triton_home() -> Path:
 
 
 def install_stub(home: Path | None = None) -> Path:
-    """Copy the running Python's triton_python_backend_stub into backends/python/ if missing."""
+    """Put the running Python's triton_python_backend_stub into backends/python/.
+
+    A stub already there may be another Python's (a server tree copied from another machine
+    was seen carrying a 3.11 stub to a 3.12 host: "libpython3.11.so.1.0: cannot open"), so it
+    is replaced unless it is byte-identical to the right one.
+    """
     home = home or triton_home()
     target = home / "backends" / "python" / "triton_python_backend_stub"
-    if not target.is_file():
-        version = f"{sys.version_info.major}.{sys.version_info.minor}"
-        source = home / "python_backend_stubs" / version / "triton_python_backend_stub"
-        if not source.is_file():
-            raise FileNotFoundError(f"{source}: no Python-backend stub for Python {version} in the pytriton wheel")
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    source = home / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not source.is_file():
+        raise FileNotFoundError(f"{source}: no Python-backend stub for Python {version} in the pytriton wheel")
+    if not target.is_file() or target.read_bytes() != source.read_bytes():
         shutil.copy2(source, target)
     return target
 

@@ -70,3 +70,19 @@ def test_cuda_graph_replay_equals_eager(tmp_path, device):
         finally:
             engine.shutdown()
     assert outputs[0] == outputs[1]
+
+
+def test_warm_up_runs_the_kernel_path_and_gives_every_page_back(tmp_path, device):
+    from backend.warmup import step_sizes, warm_up
+
+    base = make_base(tmp_path / "base", "llama", seed=35)
+    engine = Engine(EngineConfig(model_dir=str(base), device=device, dtype="float32", kernels="triton",
+                                 max_lora_rank=8, page_size=8, cuda_graphs=False, warmup=False), start=False)
+    try:
+        before = engine.pool.usage()
+        assert warm_up(engine.model, engine.kv, 8, max_tokens=70, max_seqs=4, sizes=[1, 3, 70]) > 0
+        assert engine.pool.usage() == before
+        engine.pool.pages.check()
+        assert step_sizes(4096)[:16] == list(range(1, 17)) and step_sizes(4096)[-1] == 4096
+    finally:
+        engine.shutdown()
