@@ -45,11 +45,13 @@ def ref_lora_shrink(
 ) -> torch.Tensor:
     """Reference of ``kernels.lora_shrink.lora_shrink`` (``segments``/``config`` are ignored).
 
-    out[i, t, :r] = A_{i, slot(t)} @ x[t] (fp32), out[i, t, r:] = 0; rows with slot -1 untouched.
+    out[i, t, :r] = A_{i, slot(t)} @ x[t] (fp32), out[i, t, r:] = 0; rows with slot -1 are zero
+    (``out`` is overwritten whole, as the kernel's split-K form zeroes it before adding).
     """
     del segments, config
     single = a_row_offsets.dim() == 2
     a3, ranks3, out3 = _as3(a_row_offsets, single), _as3(ranks, single), _as3(out, single)
+    out3.zero_()
     in_features = x.shape[1]
     xf = x.float()
     for i in range(a3.shape[0]):
