@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -125,7 +126,8 @@ def write_run(out_dir: str | Path, summary: Summary, records: list[RequestRecord
     """<out>/<name>.requests.jsonl and <out>/<name>.summary.json; returns the summary path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stem = summary.name.replace("/", "_").replace(" ", "_")
+    # letters, digits, '.', '_' and '-' only: "engine n=100" -> "engine_n100"
+    stem = re.sub(r"[^A-Za-z0-9._-]", "", summary.name.replace("/", "_").replace(" ", "_"))
     write_records(out / f"{stem}.requests.jsonl", records)
     path = out / f"{stem}.summary.json"
     path.write_text(json.dumps(asdict(summary), indent=1) + "\n")
