@@ -8,6 +8,15 @@ that were registered, and checks every shape and value.
 PEFT (0.21) saves keys like ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight``
 (``[r, in]``) and ``...lora_B.weight`` (``[out, r]``); MLP projections sit under ``.mlp.``. Keys
 with an adapter-name segment (``lora_A.default.weight``) are accepted too.
+
+MoE bases (Mixtral, Qwen3-MoE): LoRA on the experts is PEFT's ``target_parameters`` on transformers 5's
+fused expert parameters (PEFT's ParamWrapper). Its keys are ``layers.{i}.mlp.experts[.base_layer].lora_A.weight``
+(``[r * E, in]``, expert-major: rows ``e * r .. e * r + r - 1`` are expert e's A) and ``...lora_B.weight``
+(``[out, r * E]``, rank-major: column ``k * E + e`` is column k of expert e's B); the inner wrapper
+(``.base_layer``) and the outer one each adapt one of ``gate_up_proj`` (in = hidden, out = 2 * moe_intermediate)
+and ``down_proj`` (in = moe_intermediate, out = hidden), told apart by shape. Expert e's weight becomes
+``W_e + scaling * B_e @ A_e``. The per-expert layout of transformers 4 (``experts.{e}.w1.lora_A``) and LoRA on
+the router (``mlp.gate``) are refused.
 """
 
 from __future__ import annotations
@@ -24,7 +33,13 @@ from typing import Any
 import torch
 
 from backend.errors import AdapterError
-from backend.model_config import ATTENTION_PROJECTIONS, MLP_PROJECTIONS, PROJECTIONS, ModelConfig
+from backend.model_config import (
+    ATTENTION_PROJECTIONS,
+    EXPERT_PARAMETERS,
+    MLP_PROJECTIONS,
+    PROJECTIONS,
+    ModelConfig,
+)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -40,6 +55,15 @@ _KEY_RE = re.compile(
     r"^(?:base_model\.model\.)?(?P<module_key>(?:model\.)?layers\.(?P<layer>[0-9]{1,9})\.(?P<block>self_attn|mlp)"
     r"\.(?P<proj>[A-Za-z0-9_]+))\.(?P<ab>lora_A|lora_B)(?:\.(?P<adapter_name>[^.]+))?\.weight$"
 )
+# PEFT target_parameters on fused MoE experts: [base_model.model.][model.]layers.{i}.mlp.experts[.base_layer]*.lora_X
+_EXPERT_KEY_RE = re.compile(
+    r"^(?:base_model\.model\.)?(?P<module_key>(?:model\.)?layers\.(?P<layer>[0-9]{1,9})\.mlp\.experts)"
+    r"(?P<nest>(?:\.base_layer)*)\.(?P<ab>lora_A|lora_B)(?:\.(?P<adapter_name>[^.]+))?\.weight$"
+)
+# One module per expert (transformers 4 layout): ...experts.{e}.{w1|gate_proj|...}.lora_X
+_PER_EXPERT_KEY_RE = re.compile(r"\.experts\.[0-9]+\.[^.]+\.lora_(?:A|B)\.")
+# Prefix of the entry names of expert parameters in _layout's result: (layer, "experts.gate_up_proj").
+EXPERT_ENTRY_PREFIX = "experts."
 # Used only to name the offending module in an error: the segment before ".lora_".
 _MODULE_OF_KEY_RE = re.compile(r"(?:^|\.)(?P<module>[^.]+)\.lora_")
 
@@ -47,7 +71,6 @@ _MODULE_OF_KEY_RE = re.compile(r"(?:^|\.)(?P<module>[^.]+)\.lora_")
 # a config that sets one of them (to anything but null/false/empty) is refused.
 _UNSUPPORTED_FIELDS: tuple[str, ...] = (
     "lora_bias",
-    "target_parameters",
     "trainable_token_indices",
     "layer_replication",
     "alora_invocation_tokens",
@@ -73,6 +96,8 @@ class AdapterSpec:
         base_model_name_or_path: as recorded in adapter_config.json, if any.
         use_rslora: whether the scaling is rank-stabilised.
         num_bytes: size of ``adapter_model.safetensors``.
+        expert_ranks: (layer, expert parameter) -> rank per expert (MoE bases; "gate_up_proj" or "down_proj").
+        expert_scaling: (layer, expert parameter) -> lora_alpha / r of that expert parameter.
     """
 
     name: str
@@ -87,6 +112,8 @@ class AdapterSpec:
     base_model_name_or_path: str | None = None
     use_rslora: bool = False
     num_bytes: int = 0
+    expert_ranks: dict[tuple[int, str], int] = field(default_factory=dict, hash=False)
+    expert_scaling: dict[tuple[int, str], float] = field(default_factory=dict, hash=False)
 
     @property
     def weights_path(self) -> Path:
@@ -100,6 +127,9 @@ def lora_num_parameters(spec: AdapterSpec, model_config: ModelConfig) -> int:
     for (_, module), r in spec.layer_ranks.items():
         n_in, n_out = model_config.projection_shape(module)
         total += r * (n_in + n_out)
+    for (_, parameter), r in spec.expert_ranks.items():
+        n_in, n_out = model_config.expert_shape(parameter)
+        total += r * model_config.num_experts * (n_in + n_out)
     return total
 
 
@@ -109,10 +139,13 @@ class LoraWeights:
 
     spec: AdapterSpec
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]
+    # MoE bases: (layer, expert parameter) -> (A [E, r, in], B [E, out, r], scaling), expert e's factors at [e].
+    expert_weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]] = field(default_factory=dict)
 
     def nbytes(self) -> int:
         """Bytes held by the A and B tensors."""
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b, _ in self.weights.values())
+        tensors = [*self.weights.values(), *self.expert_weights.values()]
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b, _ in tensors)
 
 
 @dataclass(frozen=True)
@@ -126,6 +159,7 @@ class _LoraConfig:
     alpha_pattern: tuple[tuple[str, float], ...]
     layers_to_transform: tuple[int, ...] | None
     base_model_name_or_path: str | None
+    target_parameters: object = None  # as written in adapter_config.json; checked against the base model
 
 
 @dataclass(frozen=True)
@@ -136,6 +170,7 @@ class _ModuleEntry:
     a_key: str
     b_key: str
     rank: int
+    num_experts: int = 0  # > 0: a fused expert parameter; rank is per expert
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -163,6 +198,7 @@ def parse_adapter_spec(name: str, path: str | Path, model_config: ModelConfig, m
     if not adapter_dir.is_dir():
         raise AdapterError(name, f"{adapter_dir} is not a directory (expected a PEFT adapter directory)")
     cfg = _read_config(name, adapter_dir)
+    _check_target_parameters(name, cfg.target_parameters, model_config)
     weights_path = adapter_dir / WEIGHTS_FILE
     if not weights_path.is_file():
         if (adapter_dir / LEGACY_WEIGHTS_FILE).exists():
@@ -219,12 +255,28 @@ def load_adapter_weights(
         header[key] = (tuple(t.shape), dt if dt is not None else str(t.dtype))
     entries = _layout(name, header, model_config, max_lora_rank=max(spec.rank, 1))
     loaded_modules = set(entries)
-    if loaded_modules != set(spec.layer_ranks):
+    registered = set(spec.layer_ranks) | {(layer, EXPERT_ENTRY_PREFIX + p) for layer, p in spec.expert_ranks}
+    if loaded_modules != registered:
         raise AdapterError(
-            name, f"{weights_path} holds modules {sorted(loaded_modules)}, registered {sorted(spec.layer_ranks)}"
+            name, f"{weights_path} holds modules {sorted(loaded_modules)}, registered {sorted(registered)}"
         )
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]] = {}
+    expert_weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]] = {}
     for lm, entry in sorted(entries.items()):
+        if entry.num_experts:
+            key = (lm[0], lm[1][len(EXPERT_ENTRY_PREFIX):])
+            if entry.rank != spec.expert_ranks[key]:
+                raise AdapterError(
+                    name,
+                    f"tensor '{entry.a_key}' has rank {entry.rank} per expert, registered {spec.expert_ranks[key]}",
+                )
+            a = _checked_tensor(name, entry.a_key, tensors[entry.a_key], dtype)
+            b = _checked_tensor(name, entry.b_key, tensors[entry.b_key], dtype)
+            num_experts, rank = entry.num_experts, entry.rank
+            a = a.reshape(num_experts, rank, a.shape[1])  # expert-major rows
+            b = b.reshape(b.shape[0], rank, num_experts).permute(2, 0, 1)  # rank-major columns -> [E, out, r]
+            expert_weights[key] = (a.to(device).contiguous(), b.to(device).contiguous(), spec.expert_scaling[key])
+            continue
         if entry.rank != spec.layer_ranks[lm]:
             raise AdapterError(
                 name, f"tensor '{entry.a_key}' has rank {entry.rank}, registered rank {spec.layer_ranks[lm]}"
@@ -232,7 +284,7 @@ def load_adapter_weights(
         a = _checked_tensor(name, entry.a_key, tensors[entry.a_key], dtype)
         b = _checked_tensor(name, entry.b_key, tensors[entry.b_key], dtype)
         weights[lm] = (a.to(device).contiguous(), b.to(device).contiguous(), spec.scaling[lm])
-    return LoraWeights(spec=spec, weights=weights)
+    return LoraWeights(spec=spec, weights=weights, expert_weights=expert_weights)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -299,6 +351,12 @@ def _read_config(name: str, adapter_dir: Path) -> _LoraConfig:
     else:
         raise AdapterError(name, f"layers_to_transform must be an int or a list of ints, got {ltt!r}")
 
+    target_parameters = raw.get("target_parameters")
+    if target_parameters and (
+        not isinstance(target_parameters, list) or not all(isinstance(t, str) for t in target_parameters)
+    ):
+        raise AdapterError(name, f"target_parameters must be a list of names, got {target_parameters!r}")
+
     base = raw.get("base_model_name_or_path")
     return _LoraConfig(
         r=int(r),
@@ -308,7 +366,24 @@ def _read_config(name: str, adapter_dir: Path) -> _LoraConfig:
         alpha_pattern=tuple((k, float(v)) for k, v in alpha_pattern),
         layers_to_transform=layers_to_transform,
         base_model_name_or_path=base if isinstance(base, str) else None,
+        target_parameters=target_parameters or None,
     )
+
+
+def _check_target_parameters(name: str, targets: object, model_config: ModelConfig) -> None:
+    """PEFT target_parameters: only the fused expert parameters of an MoE base."""
+    if not targets:
+        return
+    if not model_config.is_moe:
+        raise AdapterError(name, f"target_parameters={targets!r} is not supported")
+    for t in targets:
+        container, _, leaf = t.rpartition(".")
+        if leaf not in EXPERT_PARAMETERS or (container and not (container + ".").endswith("experts.")):
+            raise AdapterError(
+                name,
+                f"target_parameters entry '{t}' is not supported; on an MoE base LoRA may target only the expert "
+                f"parameters {', '.join('experts.' + p for p in EXPERT_PARAMETERS)} (not the router or others)",
+            )
 
 
 def _check_target_modules(name: str, targets: object) -> None:
@@ -392,8 +467,20 @@ def _layout(
     """Match A/B pairs to (layer, projection) and check dtypes, shapes and ranks against the base."""
     halves: dict[tuple[int, str], dict[str, str]] = {}
     module_keys: dict[tuple[int, str], str] = {}
+    expert_halves: dict[tuple[int, str], dict[str, str]] = {}  # (layer, nesting) -> lora_A/lora_B -> key
     for key in sorted(header):
+        em = _EXPERT_KEY_RE.match(key)
+        if em is not None:
+            _collect_expert_half(name, key, em, header, model_config, expert_halves, module_keys)
+            continue
         m = _KEY_RE.match(key)
+        if m is None and _PER_EXPERT_KEY_RE.search(key):
+            raise AdapterError(
+                name,
+                f"tensor '{key}': one LoRA module per expert (the transformers 4 layout) is not supported; "
+                f"LoRA on experts must target transformers 5's fused expert parameters (PEFT target_parameters "
+                f"experts.gate_up_proj / experts.down_proj, keys '...mlp.experts.lora_A.weight')",
+            )
         if m is None:
             mod = _MODULE_OF_KEY_RE.search(key)
             what = f"module '{mod.group('module')}'" if mod else "it"
@@ -411,6 +498,10 @@ def _layout(
         if block != expected_block:
             raise AdapterError(name, f"tensor '{key}': {proj} belongs under '.{expected_block}.', not '.{block}.'")
         layer = int(m.group("layer"))
+        if proj in MLP_PROJECTIONS and model_config.is_sparse_layer(layer):
+            raise AdapterError(
+                name, f"tensor '{key}': layer {layer} of the base model is a sparse MoE layer with no dense {proj}"
+            )
         if layer >= model_config.num_layers:
             raise AdapterError(
                 name, f"tensor '{key}': layer index {layer} >= the base model's num_layers {model_config.num_layers}"
@@ -427,7 +518,7 @@ def _layout(
             raise AdapterError(name, f"tensors '{slot[ab]}' and '{key}' are both {ab} of layer {layer} {proj}")
         slot[ab] = key
         module_keys[lm] = m.group("module_key")
-    if not halves:
+    if not halves and not expert_halves:
         raise AdapterError(name, "no LoRA weights (no '...lora_A.weight'/'...lora_B.weight' tensors) in the file")
 
     entries: dict[tuple[int, str], _ModuleEntry] = {}
@@ -457,6 +548,77 @@ def _layout(
         if rank > max_lora_rank:
             raise AdapterError(name, f"rank {rank} exceeds max_lora_rank {max_lora_rank} (tensor '{a_key}')")
         entries[lm] = _ModuleEntry(module_key=module_keys[lm], a_key=a_key, b_key=b_key, rank=rank)
+    entries.update(_expert_entries(name, header, model_config, max_lora_rank, expert_halves, module_keys))
+    return entries
+
+
+def _collect_expert_half(name: str, key: str, m: re.Match, header: Mapping[str, tuple[tuple[int, ...], str]],
+                         model_config: ModelConfig, expert_halves: dict[tuple[int, str], dict[str, str]],
+                         module_keys: dict[tuple[int, str], str]) -> None:
+    layer = int(m.group("layer"))
+    if not model_config.is_moe:
+        raise AdapterError(name, f"tensor '{key}': LoRA on MoE experts, but the base model has no experts")
+    if layer >= model_config.num_layers:
+        raise AdapterError(
+            name, f"tensor '{key}': layer index {layer} >= the base model's num_layers {model_config.num_layers}"
+        )
+    if not model_config.is_sparse_layer(layer):
+        raise AdapterError(name, f"tensor '{key}': layer {layer} of the base model is dense (it has no experts)")
+    nest = m.group("nest")
+    if nest.count(".base_layer") > 1:
+        raise AdapterError(name, f"tensor '{key}': more than two nested expert-parameter wrappers")
+    shape, dtype = header[key]
+    if dtype not in _FLOAT_DTYPES:
+        raise AdapterError(name, f"tensor '{key}' has dtype {dtype}; supported: {', '.join(_FLOAT_DTYPES)}")
+    if len(shape) != 2:
+        raise AdapterError(name, f"tensor '{key}' has shape {list(shape)}; expected a 2-D matrix")
+    slot = expert_halves.setdefault((layer, nest), {})
+    ab = m.group("ab")
+    if ab in slot:
+        raise AdapterError(name, f"tensors '{slot[ab]}' and '{key}' are both {ab} of layer {layer} experts{nest}")
+    slot[ab] = key
+    module_keys[(layer, "experts" + nest)] = m.group("module_key")
+
+
+def _expert_entries(name: str, header: Mapping[str, tuple[tuple[int, ...], str]], model_config: ModelConfig,
+                    max_lora_rank: int, expert_halves: dict[tuple[int, str], dict[str, str]],
+                    module_keys: dict[tuple[int, str], str]) -> dict[tuple[int, str], _ModuleEntry]:
+    """Pair the expert A/B tensors and tell gate_up_proj from down_proj by their shapes."""
+    num_experts = model_config.num_experts
+    shapes = {p: model_config.expert_shape(p) for p in EXPERT_PARAMETERS}
+    entries: dict[tuple[int, str], _ModuleEntry] = {}
+    for (layer, nest), slot in sorted(expert_halves.items()):
+        if "lora_A" not in slot or "lora_B" not in slot:
+            have, missing = ("lora_A", "lora_B") if "lora_A" in slot else ("lora_B", "lora_A")
+            raise AdapterError(name, f"tensor '{slot[have]}' has no matching {missing} (layer {layer} experts)")
+        a_key, b_key = slot["lora_A"], slot["lora_B"]
+        (a_rows, a_cols), (b_rows, b_cols) = header[a_key][0], header[b_key][0]
+        matches = [p for p, (n_in, n_out) in shapes.items() if a_cols == n_in and b_rows == n_out]
+        if len(matches) != 1:
+            expected = "; ".join(
+                f"{p}: [r*{num_experts}, {i}] and [{o}, r*{num_experts}]" for p, (i, o) in shapes.items()
+            )
+            raise AdapterError(
+                name,
+                f"tensors '{a_key}' {[a_rows, a_cols]} and '{b_key}' {[b_rows, b_cols]} fit no expert parameter of "
+                f"the base model ({expected}); is the adapter for another base model?",
+            )
+        parameter = matches[0]
+        if a_rows < num_experts or a_rows % num_experts or b_cols != a_rows:
+            raise AdapterError(
+                name,
+                f"tensors '{a_key}' {[a_rows, a_cols]} and '{b_key}' {[b_rows, b_cols]}: expected r * {num_experts} "
+                f"(num_experts) rank rows in both",
+            )
+        rank = a_rows // num_experts
+        if rank > max_lora_rank:
+            raise AdapterError(name, f"rank {rank} exceeds max_lora_rank {max_lora_rank} (tensor '{a_key}')")
+        lm = (layer, EXPERT_ENTRY_PREFIX + parameter)
+        if lm in entries:
+            raise AdapterError(name, f"two LoRA tensor pairs adapt layer {layer} experts.{parameter} ('{a_key}')")
+        module_key = f"{module_keys[(layer, 'experts' + nest)]}.{parameter}"  # PEFT's key for rank/alpha patterns
+        entries[lm] = _ModuleEntry(module_key=module_key, a_key=a_key, b_key=b_key, rank=rank,
+                                   num_experts=num_experts)
     return entries
 
 
@@ -491,6 +653,8 @@ def _build_spec(
     layer_ranks: dict[tuple[int, str], int] = {}
     scaling: dict[tuple[int, str], float] = {}
     ranks: dict[str, int] = {}
+    expert_ranks: dict[tuple[int, str], int] = {}
+    expert_scaling: dict[tuple[int, str], float] = {}
     for lm, entry in entries.items():
         declared = _pattern_value(cfg.rank_pattern, entry.module_key, cfg.r)
         if declared != entry.rank:
@@ -501,22 +665,30 @@ def _build_spec(
                 f"rank_pattern, refusing rather than guessing the scaling",
             )
         alpha = _pattern_value(cfg.alpha_pattern, entry.module_key, cfg.lora_alpha)
+        if entry.num_experts:
+            key = (lm[0], lm[1][len(EXPERT_ENTRY_PREFIX):])
+            expert_scaling[key] = alpha / math.sqrt(entry.rank) if cfg.use_rslora else alpha / entry.rank
+            expert_ranks[key] = entry.rank
+            continue
         scaling[lm] = alpha / math.sqrt(entry.rank) if cfg.use_rslora else alpha / entry.rank
         layer_ranks[lm] = entry.rank
         ranks[lm[1]] = max(ranks.get(lm[1], 0), entry.rank)
+    expert_targets = sorted({EXPERT_ENTRY_PREFIX + p for _, p in expert_ranks})
     return AdapterSpec(
         name=name,
         path=str(adapter_dir),
         sha256=sha256,
-        rank=max(ranks.values()),
+        rank=max([*ranks.values(), *expert_ranks.values()]),
         ranks=dict(sorted(ranks.items(), key=lambda kv: PROJECTIONS.index(kv[0]))),
-        target_modules=tuple(sorted(ranks)),
+        target_modules=tuple(sorted(ranks)) + tuple(expert_targets),
         layers=layers,
         scaling=dict(sorted(scaling.items())),
         layer_ranks=dict(sorted(layer_ranks.items())),
         base_model_name_or_path=cfg.base_model_name_or_path,
         use_rslora=cfg.use_rslora,
         num_bytes=num_bytes,
+        expert_ranks=dict(sorted(expert_ranks.items())),
+        expert_scaling=dict(sorted(expert_scaling.items())),
     )
 
 

@@ -2,6 +2,11 @@
 
 Order: layer by layer, projection by projection (PROJECTIONS order), A's r rows then B^T's
 r rows; a row that would cross a page boundary starts the next page instead.
+
+MoE bases: the module axis of the tables grows by two slots per expert, after the 7 projections:
+slot ``7 + 2 * e`` is expert e's gate_up_proj (A rows of hidden, B^T rows of 2 * moe_intermediate) and
+``7 + 2 * e + 1`` its down_proj; in each layer their rows follow the projections' rows, expert by expert.
+Dense bases keep exactly 7 slots.
 """
 
 from __future__ import annotations
@@ -11,9 +16,19 @@ from dataclasses import dataclass
 import torch
 
 from backend.adapter import AdapterSpec, LoraWeights
-from backend.model_config import PROJECTIONS, ModelConfig
+from backend.model_config import EXPERT_PARAMETERS, PROJECTIONS, ModelConfig
 
 MODULE_INDEX = {m: i for i, m in enumerate(PROJECTIONS)}
+
+
+def num_module_slots(cfg: ModelConfig) -> int:
+    """Length of the module axis of the offsets tables: 7 projections, then 2 per expert on MoE bases."""
+    return len(PROJECTIONS) + len(EXPERT_PARAMETERS) * cfg.num_experts
+
+
+def expert_slot(expert: int, parameter: int) -> int:
+    """Module-axis slot of expert e's parameter (0: gate_up_proj, 1: down_proj)."""
+    return len(PROJECTIONS) + len(EXPERT_PARAMETERS) * expert + parameter
 
 
 @dataclass
@@ -27,9 +42,9 @@ class PackedAdapter:
 
     spec: AdapterSpec
     data: torch.Tensor  # [num_pages, page_elems], model dtype, host memory
-    row_offsets: torch.Tensor  # int64 [layers, 7, 2, max_rank]
-    ranks: torch.Tensor  # int32 [layers, 7]
-    scalings: torch.Tensor  # float32 [layers, 7]
+    row_offsets: torch.Tensor  # int64 [layers, M, 2, max_rank], M = num_module_slots(cfg) (7 on dense bases)
+    ranks: torch.Tensor  # int32 [layers, M]
+    scalings: torch.Tensor  # float32 [layers, M]
 
     @property
     def num_pages(self) -> int:
@@ -60,6 +75,24 @@ def _layout(spec: AdapterSpec, cfg: ModelConfig, page_elems: int):
                         page, cursor = page + 1, 0
                     rows.append((layer, MODULE_INDEX[module], kind, k, page * page_elems + cursor, length))
                     cursor += length
+        for parameter in EXPERT_PARAMETERS:
+            if not spec.expert_ranks.get((layer, parameter), 0):
+                continue
+            if max(cfg.expert_shape(parameter)) > page_elems:
+                raise ValueError(f"an expert {parameter} rank row ({max(cfg.expert_shape(parameter))} elements) is "
+                                 f"longer than a pool page ({page_elems}); use a larger page_size")
+        for e in range(cfg.num_experts):
+            for p, parameter in enumerate(EXPERT_PARAMETERS):
+                r = spec.expert_ranks.get((layer, parameter), 0)
+                if not r:
+                    continue
+                n_in, n_out = cfg.expert_shape(parameter)
+                for kind, length in ((0, n_in), (1, n_out)):
+                    for k in range(r):
+                        if cursor + length > page_elems:
+                            page, cursor = page + 1, 0
+                        rows.append((layer, expert_slot(e, p), kind, k, page * page_elems + cursor, length))
+                        cursor += length
     num_pages = page + 1 if rows else 0
     return num_pages, rows
 
@@ -68,22 +101,32 @@ def pack_adapter(weights: LoraWeights, cfg: ModelConfig, page_elems: int, max_ra
                  pin_memory: bool = False) -> PackedAdapter:
     spec = weights.spec
     num_pages, rows = _layout(spec, cfg, page_elems)
-    dtype = next(iter(weights.weights.values()))[0].dtype
+    dtype = next(iter([*weights.weights.values(), *weights.expert_weights.values()]))[0].dtype
     data = torch.zeros(num_pages * page_elems, dtype=dtype, pin_memory=pin_memory)
-    offsets = torch.full((cfg.num_layers, len(PROJECTIONS), 2, max_rank), -1, dtype=torch.int64)
-    ranks = torch.zeros((cfg.num_layers, len(PROJECTIONS)), dtype=torch.int32)
-    scalings = torch.zeros((cfg.num_layers, len(PROJECTIONS)), dtype=torch.float32)
+    slots = num_module_slots(cfg)
+    offsets = torch.full((cfg.num_layers, slots, 2, max_rank), -1, dtype=torch.int64)
+    ranks = torch.zeros((cfg.num_layers, slots), dtype=torch.int32)
+    scalings = torch.zeros((cfg.num_layers, slots), dtype=torch.float32)
     for (layer, module), (a, _b, scaling) in weights.weights.items():
         m = MODULE_INDEX[module]
         ranks[layer, m] = a.shape[0]
         scalings[layer, m] = scaling
+    for (layer, parameter), (a, _b, scaling) in weights.expert_weights.items():
+        p = EXPERT_PARAMETERS.index(parameter)
+        for e in range(cfg.num_experts):
+            ranks[layer, expert_slot(e, p)] = a.shape[1]
+            scalings[layer, expert_slot(e, p)] = scaling
     # One scatter per row length: rows of equal length go in together, in layout order.
     by_length: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
     for layer, m, kind, k, offset, length in rows:
         offsets[layer, m, kind, k] = offset
         starts, blocks = by_length.setdefault(length, ([], []))
         starts.append(offset)
-        if k == 0:
+        if k == 0 and m >= len(PROJECTIONS):
+            e, p = divmod(m - len(PROJECTIONS), len(EXPERT_PARAMETERS))
+            a, b, _ = weights.expert_weights[(layer, EXPERT_PARAMETERS[p])]
+            blocks.append(a[e] if kind == 0 else b[e].t())
+        elif k == 0:
             a, b, _ = weights.weights[(layer, PROJECTIONS[m])]
             blocks.append(a if kind == 0 else b.t())
     for length, (starts, blocks) in by_length.items():

@@ -32,6 +32,7 @@ from backend.loader import resolve_dtype
 from backend.lora_batch import LoraBatch
 from backend.model_config import ModelConfig
 from backend.models.llama import LlamaModel
+from backend.models.moe import MoeModel
 from backend.observer import EngineObserver, NullObserver
 from backend.request import EmitFn, GenerationOutput, GenerationRequest
 from backend.resolvers import load_resolvers
@@ -120,7 +121,8 @@ class Engine:
         self.catalogue.register_all(config.adapters, strict=True)
         self.resolvers = load_resolvers(config.resolvers)
         t0 = time.perf_counter()
-        self.model = LlamaModel.load(config.model_dir, cfg, self.max_len, self.device, self.dtype)
+        model_class = MoeModel if cfg.is_moe else LlamaModel
+        self.model = model_class.load(config.model_dir, cfg, self.max_len, self.device, self.dtype)
         log.info("loaded %s (%.1f MB) on %s as %s in %.1fs", cfg.architecture, self.model.weight_bytes() / 1e6,
                  self.device, self.dtype, time.perf_counter() - t0)
         self.pool = UnifiedPool(cfg, self._num_pages(), config.page_size, self.dtype, self.device)
@@ -132,10 +134,11 @@ class Engine:
         self._log_pool()
         self.scheduler = Scheduler(self.kv, self.adapters, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_loras)
-        if config.warmup and self.use_kernels and self.device.startswith("cuda"):
+        dense = not cfg.is_moe  # MoE routing is data-dependent: no graphs, eager warm-up not written yet
+        if config.warmup and self.use_kernels and self.device.startswith("cuda") and dense:
             warm_up(self.model, self.kv, config.max_lora_rank, config.max_num_batched_tokens, config.max_num_seqs)
         self.graphs: DecodeGraphs | None = None
-        if config.cuda_graphs and self.use_kernels and self.device.startswith("cuda"):
+        if config.cuda_graphs and self.use_kernels and self.device.startswith("cuda") and dense:
             self._capture_graphs()
         self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
         self._wake = threading.Event()

@@ -5,14 +5,19 @@ rank-row offsets ([layer, projection, A|B, slot, rank]). Projections that share 
 (q/k/v, gate/up) go in one call, their outputs side by side in ``out``. Two paths:
 "torch" gathers the rows it needs (the CPU path, and the reference); "triton" launches the
 shrink/expand kernels of kernels/, which read the rows in place.
+
+MoE bases: slots 7 + 2e (+1) of the module axis hold expert e's gate_up_proj (down_proj) rows
+(backend/adapter_packing.py); ``apply_expert`` adds them for the (token, expert) pairs routed to e,
+gathering the rows in torch on either path.
 """
 
 from __future__ import annotations
 
 import torch
 
-from backend.adapter_packing import MODULE_INDEX
+from backend.adapter_packing import MODULE_INDEX, expert_slot
 from backend.adapter_pool import ResidentAdapter
+from backend.model_config import PROJECTIONS
 
 # Tokens per step above which the segmented (SGMV) kernels beat one program per token.
 SEGMENTED_MIN_TOKENS = 64
@@ -33,6 +38,7 @@ class LoraBatch:
         self.scalings = torch.stack([a.scalings for a in adapters], dim=2).contiguous()
         self.max_rank = self.row_offsets.shape[-1]
         self.segments = None
+        self._expert_ranks_host = self.ranks[:, len(PROJECTIONS):].cpu() if self._has_expert_slots() else None
         if use_kernels:
             if len(token_slots) >= SEGMENTED_MIN_TOKENS:
                 from kernels.lora_meta import build_segments
@@ -57,6 +63,34 @@ class LoraBatch:
         batch.max_rank = row_offsets.shape[-1]
         batch.segments = None
         return batch
+
+    def _has_expert_slots(self) -> bool:
+        return self.row_offsets.dim() == 5 and self.row_offsets.shape[1] > len(PROJECTIONS)
+
+    def has_expert_lora(self, layer: int) -> bool:
+        """Whether any adapter of the step adapts layer's experts."""
+        ranks = getattr(self, "_expert_ranks_host", None)
+        return ranks is not None and bool((ranks[layer] > 0).any())
+
+    def apply_expert(self, x: torch.Tensor, out: torch.Tensor, tokens: torch.Tensor, layer: int, expert: int,
+                     parameter: int) -> None:
+        """Add expert ``expert``'s LoRA delta of ``parameter`` (0: gate_up_proj, 1: down_proj) into out [n, width]
+        for inputs x [n, in], row i being batch token tokens[i] routed to that expert (each with its own adapter)."""
+        m = expert_slot(expert, parameter)
+        ranks = self._expert_ranks_host[layer, m - len(PROJECTIONS)]
+        slots = self.token_slots.index_select(0, tokens)
+        n_in, n_out = x.shape[1], out.shape[1]
+        for slot in range(ranks.shape[0]):
+            r = int(ranks[slot])
+            if r == 0:
+                continue
+            rows = torch.nonzero(slots == slot).flatten()
+            if rows.numel() == 0:
+                continue
+            a = self.pool[self.row_offsets[layer, m, 0, slot, :r, None] + torch.arange(n_in, device=x.device)]
+            bt = self.pool[self.row_offsets[layer, m, 1, slot, :r, None] + torch.arange(n_out, device=x.device)]
+            delta = (x.index_select(0, rows) @ a.t()) @ bt
+            out.index_add_(0, rows, delta, alpha=float(self.scalings[layer, m, slot]))
 
     def apply(self, x: torch.Tensor, out: torch.Tensor, layer: int, modules: tuple[str, ...],
               widths: tuple[int, ...]) -> None:

@@ -14,7 +14,15 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "MistralForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
+    "MixtralForCausalLM": (False, False),
+    "Qwen3MoeForCausalLM": (False, True),
 }
+
+# Mixture-of-experts architectures (backend/models/moe.py).
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+# LoRA-targetable expert parameters, as PEFT's target_parameters name them on transformers 5's fused experts:
+# gate_up_proj [E, 2I, H] (gate rows, then up rows) and down_proj [E, H, I].
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 
 # LoRA-targetable projections and where they sit in a decoder layer.
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -48,6 +56,29 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     torch_dtype: str | None = None
+    # Mixture of experts (0 experts: a dense model).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    sparse_layers: tuple[int, ...] = ()  # layers whose MLP is the sparse MoE block; the others are dense
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        return layer in self.sparse_layers
+
+    def expert_shape(self, parameter: str) -> tuple[int, int]:
+        """(in_features, out_features) of one expert's slice of a fused expert parameter."""
+        shapes = {
+            "gate_up_proj": (self.hidden_size, 2 * self.moe_intermediate_size),
+            "down_proj": (self.moe_intermediate_size, self.hidden_size),
+        }
+        if parameter not in shapes:
+            raise KeyError(f"unknown expert parameter '{parameter}'; known: {list(shapes)}")
+        return shapes[parameter]
 
     def projection_shape(self, module: str) -> tuple[int, int]:
         """(in_features, out_features) of a projection, as nn.Linear stores them."""
@@ -92,8 +123,9 @@ class ModelConfig:
         window = cfg.get("sliding_window")
         if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
             window = None
-        if arch == "Qwen3ForCausalLM" and not cfg.get("use_sliding_window", False):
+        if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and not cfg.get("use_sliding_window", False):
             window = None
+        moe = _moe_fields(cfg, arch, source) if arch in MOE_ARCHITECTURES else {}
         return cls(
             architecture=arch,
             model_type=cfg.get("model_type", ""),
@@ -117,6 +149,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+            **moe,
         )
 
     @classmethod
@@ -129,3 +162,26 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ModelLoadError(f"{path}: not valid JSON ({e})") from e
         return cls.from_dict(cfg, source=str(path))
+
+
+def _moe_fields(cfg: dict, arch: str, source: str) -> dict:
+    """The MoE fields of a Mixtral or Qwen3-MoE config.json (transformers 5 writes num_local_experts for both)."""
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    top_k = cfg.get("num_experts_per_tok") or 0
+    layers = int(cfg["num_hidden_layers"])
+    if arch == "MixtralForCausalLM":
+        inter = int(cfg["intermediate_size"])
+        norm_topk = True  # MixtralTopKRouter always renormalises the top-k probabilities
+        sparse = tuple(range(layers)) if experts else ()
+    else:
+        inter = int(cfg.get("moe_intermediate_size") or 0)
+        norm_topk = bool(cfg.get("norm_topk_prob", False))
+        only_dense = set(cfg.get("mlp_only_layers") or [])
+        step = int(cfg.get("decoder_sparse_step", 1) or 1)
+        sparse = tuple(i for i in range(layers) if i not in only_dense and experts > 0 and (i + 1) % step == 0)
+    if sparse and (not top_k or top_k > experts or not inter):
+        raise ModelLoadError(
+            f"{source}: MoE config inconsistent: num_experts {experts}, num_experts_per_tok {top_k}, "
+            f"expert intermediate size {inter}")
+    return {"num_experts": int(experts) if sparse else 0, "num_experts_per_tok": int(top_k) if sparse else 0,
+            "moe_intermediate_size": inter if sparse else 0, "norm_topk_prob": norm_topk, "sparse_layers": sparse}

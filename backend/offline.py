@@ -33,6 +33,8 @@ class Completion:
 def generate(engine: Engine, requests: list[GenerationRequest], timeout: float = 300.0) -> list[Completion]:
     """Submit all requests at once and wait; a request refused at submit carries its error."""
     results = {r.request_id: Completion(r.request_id) for r in requests}
+    if len(results) != len(requests):
+        raise ValueError("request ids must be unique within one generate() call")
     remaining = len(requests)
     lock = threading.Lock()
     done = threading.Event()

@@ -145,3 +145,57 @@ def write_random_adapter(out: Path, base_dir: Path, *, rank: int, targets: list[
         "target_modules": targets, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
         "use_rslora": False, "base_model_name_or_path": str(base_dir), "inference_mode": True}))
     return out
+
+
+MOE_FAMILIES = {
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+
+
+def make_moe_base(out: Path, family: str = "mixtral", *, layers: int = 2, hidden: int = 64, heads: int = 4,
+                  kv_heads: int = 2, experts: int = 4, top_k: int = 2, expert_intermediate: int = 32,
+                  intermediate: int = 48, seed: int = 0, **extra) -> Path:
+    """A random-weight Mixtral or Qwen3-MoE checkpoint (as transformers' save_pretrained writes it) + tokenizer."""
+    import transformers
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer()
+    tok.save(str(out / "tokenizer.json"))
+    arch = MOE_FAMILIES[family]
+    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    if family == "mixtral":
+        moe = {"num_local_experts": experts, "intermediate_size": expert_intermediate}
+    else:
+        moe = {"num_experts": experts, "moe_intermediate_size": expert_intermediate, "intermediate_size": intermediate}
+    config = config_cls(
+        vocab_size=tok.get_vocab_size(), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, num_experts_per_tok=top_k, max_position_embeddings=256, bos_token_id=0,
+        eos_token_id=1, tie_word_embeddings=False, architectures=[arch], **moe, **extra)
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(config).to(torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.15)
+    model.save_pretrained(out)
+    return out
+
+
+def make_moe_adapter(base_dir: Path, out: Path, *, rank: int, targets: list[str] | str | None = None,
+                     target_parameters: list[str] | None = None, alpha: float | None = None, seed: int = 1,
+                     init_std: float = 0.3) -> Path:
+    """A PEFT LoRA adapter for an MoE base: target_modules and/or target_parameters (fused experts), random A/B."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=targets if targets is not None else [],
+                        target_parameters=target_parameters, task_type="CAUSAL_LM")
+    peft_model = get_peft_model(model, config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, init_std / rank ** 0.5)
+    peft_model.save_pretrained(out)
+    return out
