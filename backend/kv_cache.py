@@ -19,10 +19,14 @@ class PagedKVCache:
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def locate(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pages, offsets) of flat slots [T] (page * page_size + offset)."""
+        return slots // self.page_size, slots % self.page_size
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              located: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Store k, v [T, kv_heads, head_dim] at flat slots [T] (page * page_size + offset)."""
-        pages = slots // self.page_size
-        offsets = slots % self.page_size
+        pages, offsets = located if located is not None else self.locate(slots)
         self.storage[pages, layer, 0, offsets] = k
         self.storage[pages, layer, 1, offsets] = v
 

@@ -45,10 +45,14 @@ class RotaryEmbedding:
         self.cos = emb.cos().to(dtype)  # [max_len, head_dim]
         self.sin = emb.sin().to(dtype)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, head_dim] for positions [T] (once per step, shared by all layers)."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor,
+              table: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x [T, heads, head_dim], positions [T] -> rotated x (rotate-half convention)."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        cos, sin = table if table is not None else self.lookup(positions)
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin

@@ -36,3 +36,9 @@ class StepBatch:
     sequences: list[SequenceSlice]  # attended one by one (prefill chunks; every sequence on the torch path)
     logits_rows: torch.Tensor  # int64 [n]: rows whose next-token logits are wanted
     decode: DecodeRows | None = None  # attended by the kernel (kernel path only)
+    # Per-step tables shared by every layer; the model sets them at the start of each forward
+    # (never reused across forwards: a captured CUDA graph must compute them inside the graph).
+    rope_cos: torch.Tensor | None = None  # [T, 1, head_dim]
+    rope_sin: torch.Tensor | None = None
+    kv_pages: torch.Tensor | None = None  # int64 [T]: page of each token's k, v
+    kv_offsets: torch.Tensor | None = None  # int64 [T]: slot in that page

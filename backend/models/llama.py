@@ -133,6 +133,7 @@ class LlamaModel:
     def forward(self, batch: StepBatch, kv: PagedKVCache, lora: LoraBatch | None) -> torch.Tensor:
         """Run the step; returns float32 logits [len(batch.logits_rows), vocab]."""
         cfg = self.cfg
+        self.prepare_step(batch, kv)
         h = self.embed[batch.input_ids]
         for i, w in enumerate(self.layers):
             x = rms_norm(h, w.input_norm, cfg.rms_norm_eps)
@@ -150,6 +151,11 @@ class LlamaModel:
         h = rms_norm(h.index_select(0, batch.logits_rows), self.final_norm, cfg.rms_norm_eps)
         return F.linear(h, self.lm_head).float()
 
+    def prepare_step(self, batch: StepBatch, kv: PagedKVCache) -> None:
+        """Tables every layer shares, computed once per forward (inside a graph when captured)."""
+        batch.rope_cos, batch.rope_sin = self.rope.lookup(batch.positions)
+        batch.kv_pages, batch.kv_offsets = kv.locate(batch.kv_slots)
+
     def _attention(self, x: torch.Tensor, i: int, w: LayerWeights, batch: StepBatch, kv: PagedKVCache,
                    lora: LoraBatch | None) -> torch.Tensor:
         cfg = self.cfg
@@ -165,9 +171,11 @@ class LlamaModel:
         if w.q_norm is not None:
             q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
-        q = self.rope.apply(q, batch.positions)
-        k = self.rope.apply(k, batch.positions)
-        kv.write(i, batch.kv_slots, k, v)
+        table = (batch.rope_cos, batch.rope_sin) if batch.rope_cos is not None else None
+        q = self.rope.apply(q, batch.positions, table)
+        k = self.rope.apply(k, batch.positions, table)
+        located = (batch.kv_pages, batch.kv_offsets) if batch.kv_pages is not None else None
+        kv.write(i, batch.kv_slots, k, v, located)
         out = torch.empty_like(q)
         if batch.decode is not None:
             self._decode_attention(q, out, i, batch.decode, kv)

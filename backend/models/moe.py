@@ -149,6 +149,7 @@ class MoeModel(LlamaModel):
             raise RuntimeError("MoE models route tokens with data-dependent shapes and cannot be captured in a "
                                "CUDA graph; run with cuda_graphs off")
         cfg = self.cfg
+        self.prepare_step(batch, kv)
         h = self.embed[batch.input_ids]
         for i, w in enumerate(self.layers):
             x = rms_norm(h, w.input_norm, cfg.rms_norm_eps)
