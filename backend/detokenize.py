@@ -24,6 +24,14 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     return Tokenizer.from_file(str(path))
 
 
+def tokenizer_from_parameters(parameters: dict, model: str) -> Tokenizer:
+    """The tokenizer named by a Triton model's config.pbtxt parameter ``tokenizer_dir``."""
+    tokenizer_dir = parameters.get("tokenizer_dir", {}).get("string_value", "")
+    if not tokenizer_dir or "${" in tokenizer_dir:
+        raise ValueError(f"{model}: parameter 'tokenizer_dir' is not set; render the repository with scripts/serve.py")
+    return load_tokenizer(tokenizer_dir)
+
+
 def decode_chunk(tokenizer: Tokenizer, token_ids: list[int], context_ids: list[int], strip_chars: int = 0) -> str:
     """Text that ``token_ids`` add after ``context_ids``, less ``strip_chars`` at the end."""
     if not token_ids:

@@ -99,6 +99,17 @@ class Server:
         if process.returncode not in (0, -15):
             print(f"tritonserver exited with {process.returncode}:\n{self.log_tail(40)}", file=sys.stderr)
 
+    def post(self, path: str, body: dict) -> tuple[int, str]:
+        """POST a JSON body to the HTTP endpoint; (status, body text), errors included."""
+        request = urllib.request.Request(
+            f"http://{self.http_url}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=120) as reply:
+                return reply.status, reply.read().decode("utf-8")
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode("utf-8")
+
     def log_tail(self, n: int = 80) -> str:
         try:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import queue
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -18,17 +16,6 @@ from client import ManyLoraError
 pytestmark = pytest.mark.e2e
 
 PROMPT = "In the morning the baker"
-
-
-def _post(server, path: str, body: dict) -> tuple[int, str]:
-    request = urllib.request.Request(
-        f"http://{server.http_url}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=120) as reply:
-            return reply.status, reply.read().decode("utf-8")
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode("utf-8")
 
 
 def _input(name: str, array: np.ndarray, dtype: str):
@@ -65,14 +52,14 @@ def _hostile(server, tokenizer) -> dict:
     max4 = one("max_tokens", 4, "INT32", np.int32)
     return {
         "oversized prompt (1 MB of text)": (
-            lambda: _post(server, "/v2/models/llm/generate", {"text_input": "the baker opens the shop " * 40_000,
+            lambda: server.post("/v2/models/llm/generate", {"text_input": "the baker opens the shop " * 40_000,
                                                                "max_tokens": 4}),
             ["context"]),
         "invalid UTF-8 text_input": (
             lambda: _error_of(server, "llm", [_input("text_input", np.array([[b"\xff\xfe caf\xc3"]], np.object_),
                                                      "BYTES"), max4]), ["UTF-8"]),
         "huge max_tokens": (
-            lambda: _post(server, "/v2/models/llm/generate", {"text_input": PROMPT, "max_tokens": 2**31 - 1}),
+            lambda: server.post("/v2/models/llm/generate", {"text_input": PROMPT, "max_tokens": 2**31 - 1}),
             ["max_tokens"]),
         "NaN temperature": (
             lambda: _error_of(server, "generator", [_input("input_ids", _ids(ids), "INT32"), max4,

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -24,19 +22,8 @@ MULTIBYTE_PROMPTS = (
 )
 
 
-def _post(server, path: str, body: dict) -> tuple[int, str]:
-    request = urllib.request.Request(
-        f"http://{server.http_url}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=120) as reply:
-            return reply.status, reply.read().decode("utf-8")
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode("utf-8")
-
-
 def _generate_stream(server, body: dict) -> list[dict]:
-    status, text = _post(server, "/v2/models/llm/generate_stream", body)
+    status, text = server.post("/v2/models/llm/generate_stream", body)
     assert status == 200, text
     return [json.loads(line[len("data: ") :]) for line in text.splitlines() if line.startswith("data: ")]
 
@@ -73,8 +60,8 @@ def test_generate_reports_lora_version(server, client):
 
 
 def test_generate_accepts_scalars_and_lists(server):
-    scalar = _post(server, "/v2/models/llm/generate", {"text_input": "In the morning", "max_tokens": 8})
-    listed = _post(server, "/v2/models/llm/generate", {"text_input": ["In the morning"], "max_tokens": [8]})
+    scalar = server.post("/v2/models/llm/generate", {"text_input": "In the morning", "max_tokens": 8})
+    listed = server.post("/v2/models/llm/generate", {"text_input": ["In the morning"], "max_tokens": [8]})
     assert scalar[0] == listed[0] == 200, (scalar, listed)
     assert json.loads(scalar[1])["text_output"] == json.loads(listed[1])["text_output"]
 
@@ -143,9 +130,9 @@ def test_bad_requests_fail_alone_while_good_ones_finish(server, client):
 
 
 def test_http_generate_errors_are_400_with_the_message(server):
-    status, text = _post(server, "/v2/models/llm/generate", {"text_input": "Hi", "max_tokens": 4, "lora_name": "nope"})
+    status, text = server.post("/v2/models/llm/generate", {"text_input": "Hi", "max_tokens": 4, "lora_name": "nope"})
     assert status == 400 and "nope" in json.loads(text)["error"], (status, text)
-    status, text = _post(server, "/v2/models/llm/generate", {"text_input": "", "max_tokens": 4})
+    status, text = server.post("/v2/models/llm/generate", {"text_input": "", "max_tokens": 4})
     assert status == 400 and "empty" in json.loads(text)["error"], (status, text)
     assert server.ready()
 

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from backend.detokenize import decode_chunk, load_tokenizer
+from backend.detokenize import decode_chunk, tokenizer_from_parameters
 
 
 def _ids(request, name: str) -> list[int]:
@@ -17,12 +17,10 @@ def _ids(request, name: str) -> list[int]:
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         params = json.loads(args["model_config"]).get("parameters", {})
-        tokenizer_dir = params.get("tokenizer_dir", {}).get("string_value", "")
-        if not tokenizer_dir or "${" in tokenizer_dir:
-            raise pb_utils.TritonModelException(
-                "postprocessing: parameter 'tokenizer_dir' is not set; render the repository with scripts/serve.py"
-            )
-        self.tokenizer = load_tokenizer(tokenizer_dir)
+        try:
+            self.tokenizer = tokenizer_from_parameters(params, "postprocessing")
+        except (ValueError, FileNotFoundError) as e:
+            raise pb_utils.TritonModelException(str(e)) from e
 
     def execute(self, requests: list) -> list:
         return [self._one(request) for request in requests]
