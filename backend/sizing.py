@@ -12,7 +12,13 @@ import torch
 
 from backend.adapter import AdapterSpec
 from backend.adapter_packing import pages_for
-from backend.model_config import PROJECTIONS, ModelConfig
+from backend.model_config import (
+    ATTENTION_PROJECTIONS,
+    EXPERT_PARAMETERS,
+    MLP_PROJECTIONS,
+    PROJECTIONS,
+    ModelConfig,
+)
 from backend.unified_pool import element_size, page_bytes, page_elements
 
 GPU_MARGIN_BYTES = 2 << 30  # left free on the GPU for the largest step's activations and CUDA graphs
@@ -20,14 +26,23 @@ CUDA_CONTEXT_BYTES = 1 << 30  # what the CUDA context and torch take before the 
 
 
 def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of the base model's weights as the engine holds them."""
-    per_layer = sum(i * o for i, o in (cfg.projection_shape(m) for m in PROJECTIONS)) + 2 * cfg.hidden_size
+    """Bytes of the base model's weights as the engine holds them (MoE experts and routers included)."""
+    attention = sum(i * o for i, o in (cfg.projection_shape(m) for m in ATTENTION_PROJECTIONS)) + 2 * cfg.hidden_size
     if cfg.qk_norm:
-        per_layer += 2 * cfg.head_dim
+        attention += 2 * cfg.head_dim
     if cfg.qkv_bias:
-        per_layer += (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        attention += (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    dense_mlp = sum(i * o for i, o in (cfg.projection_shape(m) for m in MLP_PROJECTIONS))
+    total = 0
+    for layer in range(cfg.num_layers):
+        total += attention
+        if cfg.is_moe and cfg.is_sparse_layer(layer):
+            experts = sum(i * o for i, o in (cfg.expert_shape(p) for p in EXPERT_PARAMETERS))
+            total += cfg.num_experts * (experts + cfg.hidden_size)  # experts + router rows
+        else:
+            total += dense_mlp
     embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
-    return (cfg.num_layers * per_layer + embeddings + cfg.hidden_size) * element_size(dtype)
+    return (total + embeddings + cfg.hidden_size) * element_size(dtype)
 
 
 def pool_pages_from_free(free_bytes: int, fraction: float, page_size_bytes: int,
@@ -36,12 +51,22 @@ def pool_pages_from_free(free_bytes: int, fraction: float, page_size_bytes: int,
     return max(1, int((free_bytes * fraction - margin) // page_size_bytes))
 
 
-def synthetic_spec(cfg: ModelConfig, rank: int, targets: tuple[str, ...] = PROJECTIONS) -> AdapterSpec:
-    """An adapter of one rank on ``targets`` of every layer (for sizing; no files)."""
-    layer_ranks = {(layer, m): rank for layer in range(cfg.num_layers) for m in targets}
+def synthetic_spec(cfg: ModelConfig, rank: int, targets: tuple[str, ...] = PROJECTIONS,
+                   experts: bool = True) -> AdapterSpec:
+    """An adapter of one rank on ``targets`` of every layer (for sizing; no files). On an MoE base
+    the MLP projections of sparse layers are its experts (``experts``: adapted too)."""
+    layer_ranks, expert_ranks = {}, {}
+    for layer in range(cfg.num_layers):
+        sparse = cfg.is_moe and cfg.is_sparse_layer(layer)
+        for m in targets:
+            if not (sparse and m in MLP_PROJECTIONS):
+                layer_ranks[(layer, m)] = rank
+        if sparse and experts:
+            expert_ranks.update({(layer, p): rank for p in EXPERT_PARAMETERS})
     return AdapterSpec(name=f"rank{rank}", path="", sha256="", rank=rank, ranks=dict.fromkeys(targets, rank),
                        target_modules=tuple(targets), layers=tuple(range(cfg.num_layers)),
-                       scaling=dict.fromkeys(layer_ranks, 1.0), layer_ranks=layer_ranks)
+                       scaling=dict.fromkeys(layer_ranks, 1.0), layer_ranks=layer_ranks,
+                       expert_ranks=expert_ranks, expert_scaling=dict.fromkeys(expert_ranks, 1.0))
 
 
 def adapter_pages(cfg: ModelConfig, rank: int, page_size: int, targets: tuple[str, ...] = PROJECTIONS) -> int:
@@ -50,7 +75,10 @@ def adapter_pages(cfg: ModelConfig, rank: int, page_size: int, targets: tuple[st
 
 def adapter_weight_bytes(cfg: ModelConfig, rank: int, dtype: torch.dtype,
                          targets: tuple[str, ...] = PROJECTIONS) -> int:
-    return rank * sum(sum(cfg.projection_shape(m)) for m in targets) * cfg.num_layers * element_size(dtype)
+    spec = synthetic_spec(cfg, rank, targets)
+    elems = sum(r * sum(cfg.projection_shape(m)) for (_, m), r in spec.layer_ranks.items())
+    elems += sum(r * cfg.num_experts * sum(cfg.expert_shape(p)) for (_, p), r in spec.expert_ranks.items())
+    return elems * element_size(dtype)
 
 
 @dataclass

@@ -173,3 +173,22 @@ def test_fused_expert_checkpoint_loads(moe_checkpoint, tmp_path):
             engine.shutdown()
     assert outputs[0] == outputs[1]
     assert outputs[0][:2] == [peft_greedy(base, a, prompts[0], 6) for a in (None, adapters["experts"])]
+
+
+def test_sizing_counts_experts(moe_checkpoint, tmp_path):
+    """The planner's weight bytes and adapter pages equal what the engine holds for an MoE base."""
+    from backend.model_config import ATTENTION_PROJECTIONS
+    from backend.sizing import adapter_pages, weight_bytes
+
+    case, family, base, _ = moe_checkpoint
+    adapter = make_moe_adapter(base, tmp_path / "a", rank=4, targets=list(ATTENTION_PROJECTIONS),
+                               target_parameters=EXPERTS, seed=40)
+    engine = Engine(EngineConfig(model_dir=str(base), adapters={"a": str(adapter)}, page_size=8))
+    try:
+        cfg = engine.model_config
+        assert weight_bytes(cfg, torch.float32) == engine.model.weight_bytes()
+        res = generate(engine, [GenerationRequest("s", [1, 5, 6], "a", SamplingParams(max_tokens=2))])[0]
+        assert res.error is None
+        assert engine.pool.usage()["adapters"] == adapter_pages(cfg, 4, 8, ATTENTION_PROJECTIONS)
+    finally:
+        engine.shutdown()

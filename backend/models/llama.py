@@ -6,6 +6,7 @@ grouped-query attention, SwiGLU MLP; Qwen2 adds q/k/v biases, Qwen3 per-head q/k
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,12 +119,13 @@ class LlamaModel:
         )
 
     def weight_bytes(self) -> int:
+        """Bytes of every weight tensor held (each counted once: tied embeddings share)."""
         seen, total = set(), 0
         tensors = [self.embed, self.lm_head, self.final_norm]
         for w in self.layers:
-            tensors += [w.input_norm, w.post_attention_norm, w.qkv, w.o, w.gate_up, w.down]
+            tensors += [getattr(w, f.name) for f in dataclasses.fields(w)]
         for t in tensors:
-            if t.data_ptr() not in seen:
+            if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()
         return total

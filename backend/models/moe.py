@@ -129,18 +129,6 @@ class MoeModel(LlamaModel):
                 raise ModelLoadError(f"layer {i} {name}: shape {list(got.shape)}, config implies {list(want)}")
         return w
 
-    def weight_bytes(self) -> int:
-        seen, total = set(), 0
-        tensors = [self.embed, self.lm_head, self.final_norm]
-        for w in self.layers:
-            tensors += [w.input_norm, w.post_attention_norm, w.qkv, w.o, w.gate_up, w.down, w.router,
-                        w.experts_gate_up, w.experts_down]
-        for t in tensors:
-            if t is not None and t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-        return total
-
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
     def forward(self, batch: StepBatch, kv: PagedKVCache, lora: LoraBatch | None) -> torch.Tensor:
