@@ -14,7 +14,6 @@ import random
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,13 +22,12 @@ from backend.adapter import AdapterSpec
 from backend.adapter_manager import AdapterManager
 from backend.catalogue import AdapterCatalogue
 from backend.config import EngineConfig
-from backend.cuda_graphs import DecodeGraphs, DecodeInputs
+from backend.cuda_graphs import DecodeGraphs
 from backend.detokenize import IncrementalDecoder, load_tokenizer
 from backend.errors import AdapterError, ErrorCode, RequestError
 from backend.host_cache import HostAdapterCache
 from backend.kv_cache import PagedKVCache
 from backend.loader import resolve_dtype
-from backend.lora_batch import LoraBatch
 from backend.model_config import ModelConfig
 from backend.models.llama import LlamaModel
 from backend.models.moe import MoeModel
@@ -37,10 +35,10 @@ from backend.observer import EngineObserver, NullObserver
 from backend.request import EmitFn, GenerationOutput, GenerationRequest
 from backend.resolvers import load_resolvers
 from backend.sampling import make_generator, sample_next
-from backend.scheduler import ScheduledChunk, Scheduler
+from backend.scheduler import Scheduler
 from backend.sequence import Sequence
 from backend.sizing import adapter_pages, pool_pages_from_free
-from backend.step_batch import DecodeRows, SequenceSlice, StepBatch
+from backend.step_builder import StepBuilder
 from backend.unified_pool import ReservedPage, UnifiedPool, page_bytes
 from backend.warmup import warm_up
 
@@ -81,26 +79,6 @@ def _adapter_info(spec: AdapterSpec) -> dict:
             "path": spec.path, "layers": len(spec.layers)}
 
 
-def _distinct_specs(plan: list[ScheduledChunk]) -> list[AdapterSpec]:
-    """The adapter versions of a step, in a fixed order (their slots)."""
-    by_key = {c.sequence.adapter_key: c.sequence.spec for c in plan if c.sequence.spec}
-    return [by_key[k] for k in sorted(by_key)]
-
-
-@dataclass
-class _StepLists:
-    """Per-token and per-sequence lists of one step, before they become tensors."""
-
-    ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    starts: list[int] = field(default_factory=list)  # first batch row of each chunk
-    pages: list[list[int]] = field(default_factory=list)  # each sequence's pages (block table)
-    ends: list[int] = field(default_factory=list)  # context length after the step
-    logits_rows: list[int] = field(default_factory=list)
-    sampled: list[Sequence] = field(default_factory=list)
-
-
 class Engine:
     """One base model, a catalogue of adapters, a paged KV cache, and the step loop."""
 
@@ -134,6 +112,7 @@ class Engine:
         self._log_pool()
         self.scheduler = Scheduler(self.kv, self.adapters, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_loras)
+        self.steps = StepBuilder(cfg, self.kv, self.adapters, self.device, self.use_kernels)
         dense = not cfg.is_moe  # MoE routing is data-dependent: no graphs, eager warm-up not written yet
         if config.warmup and self.use_kernels and self.device.startswith("cuda") and dense:
             warm_up(self.model, self.kv, config.max_lora_rank, config.max_num_batched_tokens, config.max_num_seqs)
@@ -380,12 +359,14 @@ class Engine:
         if not plan:
             return bool(failed)
         try:
-            lists = self._gather(plan)
+            build = self.steps
+            lists = build.gather(plan)
+            self._counters["tokens_in"] += len(lists.ids)
             sampled = lists.sampled
-            if self.graphs is not None and self._is_decode_only(plan) and self.graphs.fits(len(plan)):
-                logits = self.graphs.run(self._graph_inputs(plan, lists))
+            if self.graphs is not None and build.is_decode_only(plan) and self.graphs.fits(len(plan)):
+                logits = self.graphs.run(build.graph_inputs(plan, lists))
             else:
-                logits = self.model.forward(self._step_batch(plan, lists), self.kv, self._lora_batch(plan))
+                logits = self.model.forward(build.step_batch(plan, lists), self.kv, build.lora_batch(plan))
         except Exception as e:
             for chunk in plan:
                 self._finish_with_error(chunk.sequence, RequestError(
@@ -396,87 +377,6 @@ class Engine:
             chunk.sequence.num_computed += chunk.num_tokens
         self._sample_and_emit(sampled, logits)
         return True
-
-    def _lora_batch(self, plan: list[ScheduledChunk]) -> LoraBatch | None:
-        specs = _distinct_specs(plan)
-        if not specs:
-            return None
-        resident = [self.adapters.resident(spec) for spec in specs]
-        slot_of = {(s.name, s.sha256): i for i, s in enumerate(specs)}
-        token_slots: list[int] = []
-        for c in plan:
-            token_slots += [slot_of[c.sequence.adapter_key] if c.sequence.spec else -1] * c.num_tokens
-        return LoraBatch(token_slots, resident, self.pool.storage, self.device, use_kernels=self.use_kernels)
-
-    def _gather(self, plan: list[ScheduledChunk]) -> _StepLists:
-        """Token ids, positions and KV slots of the step, and each sequence's pages."""
-        lists = _StepLists()
-        page_size = self.kv.page_size
-        for c in plan:
-            seq = c.sequence
-            start, end = seq.num_computed, seq.num_computed + c.num_tokens
-            pages = self.pool.pages.pages_of(seq)[: self.kv.pages_needed(end)]
-            lists.starts.append(len(lists.ids))
-            lists.ids += seq.all_ids[start:end]
-            lists.positions += range(start, end)
-            lists.slots += [pages[p // page_size] * page_size + p % page_size for p in range(start, end)]
-            lists.pages.append(pages)
-            lists.ends.append(end)
-            if end == seq.num_tokens():
-                lists.logits_rows.append(len(lists.ids) - 1)
-                lists.sampled.append(seq)
-        self._counters["tokens_in"] += len(lists.ids)
-        return lists
-
-    def _is_decode_only(self, plan: list[ScheduledChunk]) -> bool:
-        window = self.model_config.sliding_window
-        return all(c.num_tokens == 1 and not (window and c.sequence.num_computed + 1 > window) for c in plan)
-
-    def _step_batch(self, plan: list[ScheduledChunk], lists: _StepLists) -> StepBatch:
-        dev = self.device
-        slices: list[SequenceSlice] = []
-        decode_rows: list[int] = []
-        decode_pages: list[list[int]] = []
-        decode_lens: list[int] = []
-        window = self.model_config.sliding_window
-        for c, row0, pages, end in zip(plan, lists.starts, lists.pages, lists.ends, strict=True):
-            if self.use_kernels and c.num_tokens == 1 and not (window and end > window):
-                decode_rows.append(row0)
-                decode_pages.append(pages)
-                decode_lens.append(end)
-            else:
-                table = torch.tensor(pages, dtype=torch.int64, device=dev)
-                slices.append(SequenceSlice(row0, c.num_tokens, end, table))
-        decode = None
-        if decode_rows:
-            width = max(len(t) for t in decode_pages)
-            decode = DecodeRows(
-                rows=torch.tensor(decode_rows, dtype=torch.int64, device=dev),
-                block_tables=torch.tensor([t + [0] * (width - len(t)) for t in decode_pages], dtype=torch.int32,
-                                          device=dev),
-                seq_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
-            )
-        return StepBatch(
-            input_ids=torch.tensor(lists.ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(lists.positions, dtype=torch.int64, device=dev),
-            kv_slots=torch.tensor(lists.slots, dtype=torch.int64, device=dev),
-            sequences=slices,
-            logits_rows=torch.tensor(lists.logits_rows, dtype=torch.int64, device=dev),
-            decode=decode,
-        )
-
-    def _graph_inputs(self, plan: list[ScheduledChunk], lists: _StepLists) -> DecodeInputs:
-        specs = _distinct_specs(plan)
-        slot_of = {(s.name, s.sha256): i for i, s in enumerate(specs)}
-        return DecodeInputs(
-            input_ids=torch.tensor(lists.ids, dtype=torch.int64),
-            positions=torch.tensor(lists.positions, dtype=torch.int64),
-            kv_slots=torch.tensor(lists.slots, dtype=torch.int64),
-            block_tables=lists.pages,
-            seq_lens=lists.ends,
-            token_slots=[slot_of[c.sequence.adapter_key] if c.sequence.spec else -1 for c in plan],
-            adapters=[self.adapters.resident(spec) for spec in specs],
-        )
 
     def _sample_and_emit(self, sampled: list[Sequence], logits: torch.Tensor) -> None:
         greedy = torch.argmax(logits, dim=-1).tolist() if len(sampled) else []

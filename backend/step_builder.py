@@ -1,0 +1,131 @@
+"""From a scheduled plan to the tensors of one step: ids, positions, KV slots, block tables,
+the adapter slot of each token, or the inputs of a CUDA-graph replay."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from backend.adapter import AdapterSpec
+from backend.adapter_manager import AdapterManager
+from backend.cuda_graphs import DecodeInputs
+from backend.kv_cache import PagedKVCache
+from backend.lora_batch import LoraBatch
+from backend.model_config import ModelConfig
+from backend.scheduler import ScheduledChunk
+from backend.sequence import Sequence
+from backend.step_batch import DecodeRows, SequenceSlice, StepBatch
+
+
+def distinct_specs(plan: list[ScheduledChunk]) -> list[AdapterSpec]:
+    """The adapter versions of a step, in a fixed order (their slots)."""
+    by_key = {c.sequence.adapter_key: c.sequence.spec for c in plan if c.sequence.spec}
+    return [by_key[k] for k in sorted(by_key)]
+
+
+@dataclass
+class StepLists:
+    """Per-token and per-sequence lists of one step, before they become tensors."""
+
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)  # first batch row of each chunk
+    pages: list[list[int]] = field(default_factory=list)  # each sequence's pages (block table)
+    ends: list[int] = field(default_factory=list)  # context length after the step
+    logits_rows: list[int] = field(default_factory=list)
+    sampled: list[Sequence] = field(default_factory=list)
+
+
+class StepBuilder:
+    """Turns a plan into a StepBatch (eager forward) or DecodeInputs (graph replay)."""
+
+    def __init__(self, cfg: ModelConfig, kv: PagedKVCache, adapters: AdapterManager, device: str,
+                 use_kernels: bool) -> None:
+        self.cfg = cfg
+        self.kv = kv
+        self.pool = kv.pool
+        self.adapters = adapters
+        self.device = device
+        self.use_kernels = use_kernels
+
+    def lora_batch(self, plan: list[ScheduledChunk]) -> LoraBatch | None:
+        specs = distinct_specs(plan)
+        if not specs:
+            return None
+        resident = [self.adapters.resident(spec) for spec in specs]
+        slot_of = {(s.name, s.sha256): i for i, s in enumerate(specs)}
+        token_slots: list[int] = []
+        for c in plan:
+            token_slots += [slot_of[c.sequence.adapter_key] if c.sequence.spec else -1] * c.num_tokens
+        return LoraBatch(token_slots, resident, self.pool.storage, self.device, use_kernels=self.use_kernels)
+
+    def gather(self, plan: list[ScheduledChunk]) -> StepLists:
+        """Token ids, positions and KV slots of the step, and each sequence's pages."""
+        lists = StepLists()
+        page_size = self.kv.page_size
+        for c in plan:
+            seq = c.sequence
+            start, end = seq.num_computed, seq.num_computed + c.num_tokens
+            pages = self.pool.pages.pages_of(seq)[: self.kv.pages_needed(end)]
+            lists.starts.append(len(lists.ids))
+            lists.ids += seq.all_ids[start:end]
+            lists.positions += range(start, end)
+            lists.slots += [pages[p // page_size] * page_size + p % page_size for p in range(start, end)]
+            lists.pages.append(pages)
+            lists.ends.append(end)
+            if end == seq.num_tokens():
+                lists.logits_rows.append(len(lists.ids) - 1)
+                lists.sampled.append(seq)
+        return lists
+
+    def is_decode_only(self, plan: list[ScheduledChunk]) -> bool:
+        window = self.cfg.sliding_window
+        return all(c.num_tokens == 1 and not (window and c.sequence.num_computed + 1 > window) for c in plan)
+
+    def step_batch(self, plan: list[ScheduledChunk], lists: StepLists) -> StepBatch:
+        dev = self.device
+        slices: list[SequenceSlice] = []
+        decode_rows: list[int] = []
+        decode_pages: list[list[int]] = []
+        decode_lens: list[int] = []
+        window = self.cfg.sliding_window
+        for c, row0, pages, end in zip(plan, lists.starts, lists.pages, lists.ends, strict=True):
+            if self.use_kernels and c.num_tokens == 1 and not (window and end > window):
+                decode_rows.append(row0)
+                decode_pages.append(pages)
+                decode_lens.append(end)
+            else:
+                table = torch.tensor(pages, dtype=torch.int64, device=dev)
+                slices.append(SequenceSlice(row0, c.num_tokens, end, table))
+        decode = None
+        if decode_rows:
+            width = max(len(t) for t in decode_pages)
+            decode = DecodeRows(
+                rows=torch.tensor(decode_rows, dtype=torch.int64, device=dev),
+                block_tables=torch.tensor([t + [0] * (width - len(t)) for t in decode_pages], dtype=torch.int32,
+                                          device=dev),
+                seq_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
+            )
+        return StepBatch(
+            input_ids=torch.tensor(lists.ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(lists.positions, dtype=torch.int64, device=dev),
+            kv_slots=torch.tensor(lists.slots, dtype=torch.int64, device=dev),
+            sequences=slices,
+            logits_rows=torch.tensor(lists.logits_rows, dtype=torch.int64, device=dev),
+            decode=decode,
+        )
+
+    def graph_inputs(self, plan: list[ScheduledChunk], lists: StepLists) -> DecodeInputs:
+        specs = distinct_specs(plan)
+        slot_of = {(s.name, s.sha256): i for i, s in enumerate(specs)}
+        return DecodeInputs(
+            input_ids=torch.tensor(lists.ids, dtype=torch.int64),
+            positions=torch.tensor(lists.positions, dtype=torch.int64),
+            kv_slots=torch.tensor(lists.slots, dtype=torch.int64),
+            block_tables=lists.pages,
+            seq_lens=lists.ends,
+            token_slots=[slot_of[c.sequence.adapter_key] if c.sequence.spec else -1 for c in plan],
+            adapters=[self.adapters.resident(spec) for spec in specs],
+        )
