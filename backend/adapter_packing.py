@@ -116,20 +116,32 @@ def pack_adapter(weights: LoraWeights, cfg: ModelConfig, page_elems: int, max_ra
         for e in range(cfg.num_experts):
             ranks[layer, expert_slot(e, p)] = a.shape[1]
             scalings[layer, expert_slot(e, p)] = scaling
-    # One scatter per row length: rows of equal length go in together, in layout order.
-    by_length: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
+    # Rows of one matrix sit back to back except where a page ends: copy each such run as one slice.
+    block: torch.Tensor | None = None
+    run_start = run_k = run_len = 0
+    if rows:
+        index = torch.tensor([r[:4] for r in rows], dtype=torch.int64)
+        offsets[index[:, 0], index[:, 1], index[:, 2], index[:, 3]] = torch.tensor([r[4] for r in rows])
     for layer, m, kind, k, offset, length in rows:
-        offsets[layer, m, kind, k] = offset
-        starts, blocks = by_length.setdefault(length, ([], []))
-        starts.append(offset)
-        if k == 0 and m >= len(PROJECTIONS):
-            e, p = divmod(m - len(PROJECTIONS), len(EXPERT_PARAMETERS))
-            a, b, _ = weights.expert_weights[(layer, EXPERT_PARAMETERS[p])]
-            blocks.append(a[e] if kind == 0 else b[e].t())
-        elif k == 0:
-            a, b, _ = weights.weights[(layer, PROJECTIONS[m])]
-            blocks.append(a if kind == 0 else b.t())
-    for length, (starts, blocks) in by_length.items():
-        index = torch.tensor(starts, dtype=torch.int64)[:, None] + torch.arange(length)
-        data[index.reshape(-1)] = torch.cat([blk.reshape(-1, length).cpu() for blk in blocks]).reshape(-1).to(dtype)
+        if k == 0:
+            if block is not None and run_len:
+                data[run_start:run_start + run_len * block.shape[1]] = block[run_k:run_k + run_len].reshape(-1)
+            block = _rows_of(weights, layer, m, kind).to(dtype)
+            run_start, run_k, run_len = offset, 0, 0
+        elif offset != run_start + run_len * length:  # a new page: flush the run, start another
+            data[run_start:run_start + run_len * length] = block[run_k:run_k + run_len].reshape(-1)
+            run_start, run_k, run_len = offset, k, 0
+        run_len += 1
+    if block is not None and run_len:
+        data[run_start:run_start + run_len * block.shape[1]] = block[run_k:run_k + run_len].reshape(-1)
     return PackedAdapter(spec, data.view(num_pages, page_elems), offsets, ranks, scalings)
+
+
+def _rows_of(weights: LoraWeights, layer: int, m: int, kind: int) -> torch.Tensor:
+    """The matrix whose rows are module slot m's rank rows: A [r, in] (kind 0) or B^T [r, out] (kind 1)."""
+    if m >= len(PROJECTIONS):
+        e, p = divmod(m - len(PROJECTIONS), len(EXPERT_PARAMETERS))
+        a, b, _ = weights.expert_weights[(layer, EXPERT_PARAMETERS[p])]
+        return a[e] if kind == 0 else b[e].t()
+    a, b, _ = weights.weights[(layer, PROJECTIONS[m])]
+    return (a if kind == 0 else b.t()).cpu()
