@@ -39,6 +39,7 @@ class LoraBatch:
         self.max_rank = self.row_offsets.shape[-1]
         self.segments = None
         self._expert_ranks_host = self.ranks[:, len(PROJECTIONS):].cpu() if self._has_expert_slots() else None
+        self._expert_scalings_host = self.scalings[:, len(PROJECTIONS):].cpu() if self._has_expert_slots() else None
         if use_kernels:
             if len(token_slots) >= SEGMENTED_MIN_TOKENS:
                 from kernels.lora_meta import build_segments
@@ -71,6 +72,37 @@ class LoraBatch:
         """Whether any adapter of the step adapts layer's experts."""
         ranks = getattr(self, "_expert_ranks_host", None)
         return ranks is not None and bool((ranks[layer] > 0).any())
+
+    def moe_lora(self, layer: int):
+        """The layer's expert adapters as the fused MoE-LoRA kernel takes them (kernels.fused_moe_lora.MoeLora),
+        or None when the kernel cannot express them: it has one rank and one scaling per adapter for both
+        expert parameters, so an adapter whose gate_up and down ranks or scalings differ (PEFT's renamed
+        transformers-4 targets give gate_up rank 2r) goes through apply_expert instead."""
+        from kernels.fused_moe_lora import MoeLora
+
+        ranks = self._expert_ranks_host[layer]  # [2E, S]: expert e's gate_up at 2e, down at 2e + 1
+        scalings = self._expert_scalings_host[layer]
+        gate_up, down = ranks[0::2], ranks[1::2]  # [E, S]
+        if not (bool((gate_up == gate_up[:1]).all()) and bool((down == down[:1]).all())):
+            return None
+        r13, r2 = gate_up[0], down[0]
+        s13, s2 = scalings[0], scalings[1]
+        used = (r13 > 0) | (r2 > 0)
+        if bool(((r13 != r2) & used).any()) or bool(((s13 != s2) & used).any()):
+            return None
+        slot_has = used.to(self.token_slots.device)
+        token_slots = torch.where((self.token_slots >= 0) & slot_has[self.token_slots.clamp(min=0).long()],
+                                  self.token_slots, torch.full_like(self.token_slots, -1))
+        first = len(PROJECTIONS)
+        tables = self.row_offsets[layer, first:]  # [2E, 2, S, R]
+
+        def by_slot(parameter: int, kind: int) -> torch.Tensor:
+            return tables[parameter::2, kind].permute(1, 0, 2).contiguous()  # [S, E, R]
+
+        return MoeLora(pool=self.pool, a13_offsets=by_slot(0, 0), b13_offsets=by_slot(0, 1),
+                       a2_offsets=by_slot(1, 0), b2_offsets=by_slot(1, 1),
+                       ranks=r13.clamp(min=1).to(torch.int32).to(self.pool.device),
+                       scalings=s13.to(torch.float32).to(self.pool.device), token_slots=token_slots)
 
     def apply_expert(self, x: torch.Tensor, out: torch.Tensor, tokens: torch.Tensor, layer: int, expert: int,
                      parameter: int) -> None:

@@ -92,7 +92,14 @@ def _is_dense_mlp_name(cfg: ModelConfig, name: str) -> bool:
 
 
 class MoeModel(LlamaModel):
-    """LlamaModel's attention and paged KV cache with sparse MoE MLPs."""
+    """LlamaModel's attention and paged KV cache with sparse MoE MLPs.
+
+    With ``use_kernels`` (set by the engine on its kernel path) the experts and their LoRA run in the
+    fused MoE-LoRA Triton kernels; otherwise, and for adapters those kernels cannot express, as a
+    torch loop over experts.
+    """
+
+    use_kernels: bool = False
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], max_len: int, device: str,
                  dtype: torch.dtype) -> None:
@@ -159,6 +166,20 @@ class MoeModel(LlamaModel):
             lora.apply(act, down, i, ("down_proj",), (cfg.hidden_size,))
         return down
 
+    def _fused_experts(self, x: torch.Tensor, i: int, w: MoeLayerWeights, lora: LoraBatch | None,
+                       top_w: torch.Tensor, top_ids: torch.Tensor) -> torch.Tensor | None:
+        """The experts (and their LoRA) through kernels.fused_moe_lora; None where it cannot express the batch."""
+        from kernels.fused_moe_lora import fused_moe_lora_forward
+
+        moe_lora = None
+        if lora is not None and lora.has_expert_lora(i):
+            moe_lora = lora.moe_lora(i)
+            if moe_lora is None:
+                return None
+        out = fused_moe_lora_forward(x, w.experts_gate_up, w.experts_down, top_ids.to(torch.int32),
+                                     top_w.float(), moe_lora)
+        return out.to(x.dtype)
+
     def route(self, x: torch.Tensor, w: MoeLayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
         """(top-k weights [T, k] float32, top-k expert ids [T, k]) as transformers' routers compute them."""
         cfg = self.cfg
@@ -173,6 +194,10 @@ class MoeModel(LlamaModel):
     def _sparse_mlp(self, x: torch.Tensor, i: int, w: MoeLayerWeights, lora: LoraBatch | None) -> torch.Tensor:
         inter = self.cfg.moe_intermediate_size
         top_w, top_ids = self.route(x, w)
+        if self.use_kernels:
+            fused = self._fused_experts(x, i, w, lora, top_w, top_ids)
+            if fused is not None:
+                return fused
         out = torch.zeros_like(x)
         expert_lora = lora is not None and lora.has_expert_lora(i)
         for e in torch.unique(top_ids).tolist():
