@@ -46,6 +46,7 @@ log = logging.getLogger("manylora.engine")
 
 CPU_POOL_BYTES_CAP = 2 << 30  # without a GPU, the pool takes at most this much host memory
 PREFETCH_LOOKAHEAD = 64  # waiting requests whose adapters are loaded ahead
+CANCEL_POLL_S = 0.05  # how often cancellation flags are read
 
 
 def resolve_device(name: str) -> str:
@@ -123,6 +124,7 @@ class Engine:
             self._capture_graphs()
         self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
         self._wake = threading.Event()
+        self._last_cancel_poll = 0.0
         self._stopping = threading.Event()
         self._counters = {"steps": 0, "requests": 0, "finished": 0, "errors": 0, "tokens_out": 0, "tokens_in": 0}
         self._thread = threading.Thread(target=self._loop, name="manylora-engine", daemon=True)
@@ -331,6 +333,12 @@ class Engine:
                 return
 
     def _drop_cancelled(self) -> None:
+        """Poll the requests' cancellation flags, at most every CANCEL_POLL_S (each poll of a Triton
+        response sender is a round trip to the server process)."""
+        now = time.perf_counter()
+        if now - self._last_cancel_poll < CANCEL_POLL_S:
+            return
+        self._last_cancel_poll = now
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             check = seq.request.is_cancelled
             try:
