@@ -30,9 +30,6 @@ class AdapterManager:
         self.gpu = AdapterPool(pool, device)
         self._pages_cache: dict[tuple[str, str], int] = {}
 
-    def spec(self, name: str) -> AdapterSpec:
-        return self.catalogue.get(name)
-
     def pages(self, spec: AdapterSpec) -> int:
         key = (spec.name, spec.sha256)
         if key not in self._pages_cache:

@@ -70,10 +70,6 @@ class HostAdapterCache:
         self.request(spec)
         return None
 
-    def forget_error(self, spec: AdapterSpec) -> None:
-        with self._lock:
-            self._errors.pop((spec.name, spec.sha256), None)
-
     def wait(self, spec: AdapterSpec, timeout: float | None = None) -> PackedAdapter:
         """Block until the adapter is loaded (for tools and tests)."""
         self.request(spec)

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from backend.adapter import AdapterSpec
+from backend.adapter import AdapterSpec, lora_num_parameters
 from backend.adapter_packing import pages_for
 from backend.model_config import (
     ATTENTION_PROJECTIONS,
@@ -75,10 +75,7 @@ def adapter_pages(cfg: ModelConfig, rank: int, page_size: int, targets: tuple[st
 
 def adapter_weight_bytes(cfg: ModelConfig, rank: int, dtype: torch.dtype,
                          targets: tuple[str, ...] = PROJECTIONS) -> int:
-    spec = synthetic_spec(cfg, rank, targets)
-    elems = sum(r * sum(cfg.projection_shape(m)) for (_, m), r in spec.layer_ranks.items())
-    elems += sum(r * cfg.num_experts * sum(cfg.expert_shape(p)) for (_, p), r in spec.expert_ranks.items())
-    return elems * element_size(dtype)
+    return lora_num_parameters(synthetic_spec(cfg, rank, targets), cfg) * element_size(dtype)
 
 
 @dataclass
