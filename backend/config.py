@@ -33,6 +33,8 @@ class EngineConfig:
         allow_runtime_adapters: accept load/unload/replace of adapters while serving; off
             unless the environment sets MANYLORA_ALLOW_RUNTIME_ADAPTERS=1 (as vLLM gates it).
         adapter_load_workers: threads that read, check and pack adapters from disk.
+        admit_every_steps: while requests run, admit waiting ones only every N steps (1: every step);
+            fewer mixed prefill steps leave more decode steps to the CUDA graphs, at some TTFT cost.
         resolvers: where to look for adapters a request names but the catalogue lacks,
             comma-separated: dir:PATH, hf-cache:PATH, plugin:MODULE:FACTORY[:ARG]; "" = off.
     """
@@ -57,9 +59,11 @@ class EngineConfig:
     allow_runtime_adapters: bool = field(default_factory=lambda: _env_flag("MANYLORA_ALLOW_RUNTIME_ADAPTERS"))
     resolvers: str = ""
     adapter_load_workers: int = 4
+    admit_every_steps: int = 1
 
     def __post_init__(self) -> None:
-        positive = ("max_lora_rank", "max_loras", "max_num_seqs", "max_num_batched_tokens", "page_size")
+        positive = ("max_lora_rank", "max_loras", "max_num_seqs", "max_num_batched_tokens", "page_size",
+                    "admit_every_steps", "adapter_load_workers")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be > 0, got {getattr(self, name)}")

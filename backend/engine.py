@@ -114,7 +114,7 @@ class Engine:
         self.adapters = AdapterManager(self.catalogue, self.pool, host, self.device)
         self._log_pool()
         self.scheduler = Scheduler(self.kv, self.adapters, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_loras)
+                                   config.max_loras, config.admit_every_steps)
         self.steps = StepBuilder(cfg, self.kv, self.adapters, self.device, self.use_kernels)
         dense = not cfg.is_moe  # MoE routing is data-dependent: no graphs, eager warm-up not written yet
         if config.warmup and self.use_kernels and self.device.startswith("cuda") and dense:

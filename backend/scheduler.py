@@ -30,13 +30,17 @@ class ScheduledChunk:
 
 class Scheduler:
     def __init__(self, kv: PagedKVCache, adapters: AdapterManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_loras: int) -> None:
+                 max_loras: int, admit_every_steps: int = 1) -> None:
         self.kv = kv
         self.pages = kv.pool.pages
         self.adapters = adapters
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_loras = max_loras
+        # Admit waiting requests only every N steps while others run: a step with a prefill is
+        # eager, a decode-only step can replay a CUDA graph (1 = admit at every step).
+        self.admit_every_steps = admit_every_steps
+        self._steps_since_admit = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -75,6 +79,10 @@ class Scheduler:
                 continue
             plan.append(ScheduledChunk(seq, n))
             budget -= n
+        self._steps_since_admit += 1
+        if self.running and self._steps_since_admit < self.admit_every_steps:
+            return plan, []  # decode on; new requests join at the next admission step
+        self._steps_since_admit = 0
         failed = self._admit(plan, budget)
         return plan, failed
 

@@ -56,6 +56,7 @@ class HeadlineConfig:
     output_range: tuple[int, int] = (8, 64)
     max_num_seqs: int = 64
     max_cpu_loras: int | None = None
+    admit_every_steps: int = 1
     slo_s: float = SLO_TTFT_S
     seed: int = 0
     skip_peft: bool = False
@@ -166,6 +167,7 @@ def run(cfg: HeadlineConfig, out: Path) -> dict:
                 max_loras=cfg.max_num_seqs,  # S-LoRA caps no adapter diversity per batch
                 max_cpu_loras=cfg.max_cpu_loras,
                 adapter_load_workers=max(4, (os.cpu_count() or 8) // 2),
+                admit_every_steps=cfg.admit_every_steps,
                 max_model_len=cfg.input_range[1] + cfg.output_range[1] + 8,
             )
         )
@@ -343,6 +345,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[HeadlineConfig, Path]:
     p.add_argument("--output-range", type=int, nargs=2)
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-cpu-loras", type=int)
+    p.add_argument("--admit-every-steps", type=int)
     p.add_argument("--slo", type=float, dest="slo_s")
     p.add_argument("--seed", type=int)
     p.add_argument("--skip-peft", action="store_true", default=None)

@@ -99,6 +99,25 @@ def test_preemption_and_chunked_prefill_keep_outputs_exact(llama):
         engine.shutdown()
 
 
+def test_admitting_every_few_steps_keeps_outputs_exact(llama):
+    """admit_every_steps defers new requests while others decode; outputs and completion are unchanged."""
+    base, adapters = llama
+    engine = Engine(EngineConfig(model_dir=str(base), adapters={k: str(v) for k, v in adapters.items()},
+                                 admit_every_steps=4, max_num_seqs=4))
+    try:
+        rng = random.Random(11)
+        names = [None, *adapters]
+        prompts = _random_prompts(10, engine.model_config.vocab_size, rng)
+        cases = [(p, rng.choice(names)) for p in prompts]
+        reqs = [GenerationRequest(f"a{i}", p, a, SamplingParams(max_tokens=9)) for i, (p, a) in enumerate(cases)]
+        results = generate(engine, reqs)
+        for (prompt, adapter), res in zip(cases, results, strict=True):
+            assert res.error is None and res.token_ids == peft_greedy(base, adapters.get(adapter), prompt, 9)
+        assert_pool_drained(engine)
+    finally:
+        engine.shutdown()
+
+
 def test_seeded_sampling_is_independent_of_batch(llama):
     base, adapters = llama
     engine = Engine(EngineConfig(model_dir=str(base), adapters={k: str(v) for k, v in adapters.items()}))

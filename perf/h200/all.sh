@@ -17,7 +17,8 @@ TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q tests/kernels/test_engine_ke
   > "$OUT/gpu_engine_tests.txt" 2>&1
 timeout ${HEADLINE_TIMEOUT:-330} python3 -m perf.headline --shape llama3-8b --out "$OUT/headline" \
   --adapters 5 100 1000 2000 --rate ${RATE:-24} --duration ${DURATION:-12} --drain ${DRAIN:-40} \
-  --peft-duration ${PEFT_DURATION:-15} --max-num-seqs ${MAX_NUM_SEQS:-64} > "$OUT/headline.txt" 2>&1
+  --peft-duration ${PEFT_DURATION:-15} --max-num-seqs ${MAX_NUM_SEQS:-64} --admit-every-steps ${ADMIT_EVERY:-1} \
+  > "$OUT/headline.txt" 2>&1
 echo "== server check"; grep -A3 "== adapter\|ready after\|refused alone" "$OUT/serve_check.txt" | head -40
 echo "== GPU engine tests"; tail -2 "$OUT/gpu_engine_tests.txt"
 echo "== headline"; grep -o "\[headline.*" "$OUT/headline.txt" | tail -14
