@@ -68,7 +68,9 @@ class MetricsObserver:
             kind_value = getattr(pb_utils.MetricFamily, kind)
             self._families[name] = pb_utils.MetricFamily(name=name, description=description, kind=kind_value)
         self._metrics: dict[tuple, object] = {}
-        self._lock = threading.Lock()
+        # Metric calls come from the engine thread, the adapter loaders, the stats poller and execute();
+        # each is a message to the server process, so they go one at a time.
+        self._lock = threading.RLock()
         self._errors_reported = 0
         self._labelled: set[str] = set()  # adapters with their own label (at most adapter_labels)
         for name in FAMILIES:  # series without labels exist from the start
@@ -99,7 +101,8 @@ class MetricsObserver:
 
     def _safe(self, fn: Callable[[], None]) -> None:
         try:
-            fn()
+            with self._lock:
+                fn()
         except Exception as e:  # noqa: BLE001 - metrics must never break the engine thread
             if self._errors_reported < 5:
                 self._errors_reported += 1
@@ -148,6 +151,10 @@ class MetricsObserver:
     # -- from Engine.stats() ----------------------------------------------------------------
     def record_stats(self, stats: dict, previous: dict) -> None:
         """Set the gauges and advance the tier counters by what changed since ``previous``."""
+        with self._lock:
+            self._record_stats(stats, previous)
+
+    def _record_stats(self, stats: dict, previous: dict) -> None:
         for use in ("kv", "adapters", "free"):
             if f"pool_pages_{use}" in stats:
                 self.metric("manylora_pool_pages", use=use).set(float(stats[f"pool_pages_{use}"]))
