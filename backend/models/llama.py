@@ -141,17 +141,22 @@ class LlamaModel:
             x = rms_norm(h, w.input_norm, cfg.rms_norm_eps)
             h = h + self._attention(x, i, w, batch, kv, lora)
             x = rms_norm(h, w.post_attention_norm, cfg.rms_norm_eps)
-            gate_up = F.linear(x, w.gate_up, w.gate_up_bias)
-            if lora is not None:
-                lora.apply(x, gate_up, i, GATE_UP, (cfg.intermediate_size,) * 2)
-            gate, up = gate_up.split(cfg.intermediate_size, dim=-1)
-            act = F.silu(gate) * up
-            down = F.linear(act, w.down, w.down_bias)
-            if lora is not None:
-                lora.apply(act, down, i, ("down_proj",), (cfg.hidden_size,))
-            h = h + down
+            h = h + self._mlp(x, i, w, lora)
         h = rms_norm(h.index_select(0, batch.logits_rows), self.final_norm, cfg.rms_norm_eps)
         return F.linear(h, self.lm_head).float()
+
+    def _mlp(self, x: torch.Tensor, i: int, w: LayerWeights, lora: LoraBatch | None) -> torch.Tensor:
+        """Layer i's SwiGLU MLP with its LoRA (subclasses replace it: MoeModel routes to experts)."""
+        cfg = self.cfg
+        gate_up = F.linear(x, w.gate_up, w.gate_up_bias)
+        if lora is not None:
+            lora.apply(x, gate_up, i, GATE_UP, (cfg.intermediate_size,) * 2)
+        gate, up = gate_up.split(cfg.intermediate_size, dim=-1)
+        act = F.silu(gate) * up
+        down = F.linear(act, w.down, w.down_bias)
+        if lora is not None:
+            lora.apply(act, down, i, ("down_proj",), (cfg.hidden_size,))
+        return down
 
     def prepare_step(self, batch: StepBatch, kv: PagedKVCache) -> None:
         """Tables every layer shares, computed once per forward (inside a graph when captured)."""

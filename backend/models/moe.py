@@ -29,7 +29,7 @@ from backend.kv_cache import PagedKVCache
 from backend.loader import checkpoint_files, load_state_dict
 from backend.lora_batch import LoraBatch
 from backend.model_config import ModelConfig
-from backend.models.llama import GATE_UP, LayerWeights, LlamaModel, rms_norm, weight_names
+from backend.models.llama import LayerWeights, LlamaModel, weight_names
 from backend.step_batch import StepBatch
 
 GATE_UP_PARAM, DOWN_PARAM = 0, 1  # expert parameter index (EXPERT_PARAMETERS order)
@@ -139,32 +139,15 @@ class MoeModel(LlamaModel):
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
     def forward(self, batch: StepBatch, kv: PagedKVCache, lora: LoraBatch | None) -> torch.Tensor:
-        """Run the step; returns float32 logits [len(batch.logits_rows), vocab]."""
+        """LlamaModel.forward, refused inside a CUDA-graph capture (routing has data-dependent shapes)."""
         if self.device.startswith("cuda") and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("MoE models route tokens with data-dependent shapes and cannot be captured in a "
                                "CUDA graph; run with cuda_graphs off")
-        cfg = self.cfg
-        self.prepare_step(batch, kv)
-        h = self.embed[batch.input_ids]
-        for i, w in enumerate(self.layers):
-            x = rms_norm(h, w.input_norm, cfg.rms_norm_eps)
-            h = h + self._attention(x, i, w, batch, kv, lora)
-            x = rms_norm(h, w.post_attention_norm, cfg.rms_norm_eps)
-            h = h + (self._sparse_mlp(x, i, w, lora) if w.router is not None else self._dense_mlp(x, i, w, lora))
-        h = rms_norm(h.index_select(0, batch.logits_rows), self.final_norm, cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return super().forward(batch, kv, lora)
 
-    def _dense_mlp(self, x: torch.Tensor, i: int, w: LayerWeights, lora: LoraBatch | None) -> torch.Tensor:
-        cfg = self.cfg
-        gate_up = F.linear(x, w.gate_up, w.gate_up_bias)
-        if lora is not None:
-            lora.apply(x, gate_up, i, GATE_UP, (cfg.intermediate_size,) * 2)
-        gate, up = gate_up.split(cfg.intermediate_size, dim=-1)
-        act = F.silu(gate) * up
-        down = F.linear(act, w.down, w.down_bias)
-        if lora is not None:
-            lora.apply(act, down, i, ("down_proj",), (cfg.hidden_size,))
-        return down
+    def _mlp(self, x: torch.Tensor, i: int, w: MoeLayerWeights, lora: LoraBatch | None) -> torch.Tensor:
+        """Sparse layers route to experts; dense ones (Qwen3-MoE's mlp_only_layers) are LlamaModel's MLP."""
+        return self._sparse_mlp(x, i, w, lora) if w.router is not None else super()._mlp(x, i, w, lora)
 
     def _fused_experts(self, x: torch.Tensor, i: int, w: MoeLayerWeights, lora: LoraBatch | None,
                        top_w: torch.Tensor, top_ids: torch.Tensor) -> torch.Tensor | None:
