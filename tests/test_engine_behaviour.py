@@ -129,7 +129,10 @@ def test_bad_requests_are_refused_alone(engine, change, message):
         assert r.error is None and r.finish_reason in ("length", "eos") and r.token_ids
 
 
-def test_cancellation_frees_the_request(engine):
+def test_cancellation_frees_the_request(engine, monkeypatch):
+    import backend.engine
+
+    monkeypatch.setattr(backend.engine, "CANCEL_POLL_S", 0.0)  # poll every loop: the tiny model is fast
     cancelled = threading.Event()
     outputs = []
     done = threading.Event()
