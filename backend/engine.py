@@ -118,7 +118,8 @@ class Engine:
         self.steps = StepBuilder(cfg, self.kv, self.adapters, self.device, self.use_kernels)
         dense = not cfg.is_moe  # MoE routing is data-dependent: no graphs, eager warm-up not written yet
         if config.warmup and self.use_kernels and self.device.startswith("cuda") and dense:
-            warm_up(self.model, self.kv, config.max_lora_rank, config.max_num_batched_tokens, config.max_num_seqs)
+            warm_up(self.model, self.kv, config.max_lora_rank, config.max_num_batched_tokens, config.max_num_seqs,
+                    max_len=self.max_len)
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graphs and self.use_kernels and self.device.startswith("cuda") and dense:
             self._capture_graphs()

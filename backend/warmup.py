@@ -52,12 +52,17 @@ def synthetic_adapter(pool: UnifiedPool, rank: int, max_rank: int) -> PackedAdap
 
 @torch.inference_mode()
 def warm_up(model: LlamaModel, kv: PagedKVCache, max_rank: int, max_tokens: int, max_seqs: int,
-            sizes: list[int] | None = None) -> float:
-    """Run the kernel path over step sizes; returns seconds spent. Leaves the pool as it found it."""
+            sizes: list[int] | None = None, max_len: int | None = None) -> float:
+    """Run the kernel path over step sizes; returns seconds spent. Leaves the pool as it found it.
+
+    A prefill step of t tokens is one sequence, or several when t exceeds ``max_len`` (the
+    context: positions past it have no rotary table rows), as the scheduler would batch them.
+    """
     pool, device = kv.pool, model.device
     t0 = time.perf_counter()
     sizes = sizes or step_sizes(max_tokens)
     owner = ReservedPage("warm-up")
+    seq_cap = max(1, (max_len or max(sizes)) - 1)
     packed = synthetic_adapter(pool, max_rank, max_rank)
     need = packed.num_pages + kv.pages_needed(max(sizes)) * 1 + max(sizes)
     if not pool.pages.can_allocate(need):
@@ -67,16 +72,9 @@ def warm_up(model: LlamaModel, kv: PagedKVCache, max_rank: int, max_tokens: int,
     resident = adapters.upload(packed)
     try:
         for t in sizes:
-            # prefill: one sequence of t tokens (segmented kernels from 64 tokens up)
-            pages = pool.pages.allocate(owner, kv.pages_needed(t))
-            table = torch.tensor(pages, dtype=torch.int64, device=device)
-            slots = torch.tensor([pages[p // kv.page_size] * kv.page_size + p % kv.page_size for p in range(t)],
-                                 dtype=torch.int64, device=device)
-            batch = StepBatch(input_ids=torch.zeros(t, dtype=torch.int64, device=device),
-                              positions=torch.arange(t, device=device), kv_slots=slots,
-                              sequences=[SequenceSlice(0, t, t, table)],
-                              logits_rows=torch.tensor([t - 1], device=device))
-            model.forward(batch, kv, LoraBatch([0] * t, [resident], pool.storage, device, use_kernels=True))
+            # prefill: t tokens in sequences of at most seq_cap (segmented kernels from 64 tokens up)
+            model.forward(_prefill_batch(kv, owner, t, seq_cap, device), kv,
+                          LoraBatch([0] * t, [resident], pool.storage, device, use_kernels=True))
             pool.pages.free(owner)
             if t > max_seqs:
                 continue
@@ -100,3 +98,23 @@ def warm_up(model: LlamaModel, kv: PagedKVCache, max_rank: int, max_tokens: int,
     seconds = time.perf_counter() - t0
     log.info("kernels warmed up over %d step sizes in %.1fs", len(sizes), seconds)
     return seconds
+
+
+def _prefill_batch(kv: PagedKVCache, owner: ReservedPage, num_tokens: int, seq_cap: int, device: str) -> StepBatch:
+    """A prefill step of num_tokens tokens: sequences of seq_cap tokens (the last one shorter), pages
+    allocated to owner."""
+    page_size = kv.page_size
+    slices, slots, positions, last_rows = [], [], [], []
+    row = 0
+    while row < num_tokens:
+        n = min(seq_cap, num_tokens - row)
+        pages = kv.pool.pages.allocate(owner, kv.pages_needed(n))
+        slices.append(SequenceSlice(row, n, n, torch.tensor(pages, dtype=torch.int64, device=device)))
+        slots += [pages[p // page_size] * page_size + p % page_size for p in range(n)]
+        positions += range(n)
+        row += n
+        last_rows.append(row - 1)
+    return StepBatch(input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
+                     positions=torch.tensor(positions, dtype=torch.int64, device=device),
+                     kv_slots=torch.tensor(slots, dtype=torch.int64, device=device), sequences=slices,
+                     logits_rows=torch.tensor(last_rows, dtype=torch.int64, device=device))

@@ -77,10 +77,13 @@ def test_warm_up_runs_the_kernel_path_and_gives_every_page_back(tmp_path, device
 
     base = make_base(tmp_path / "base", "llama", seed=35)
     engine = Engine(EngineConfig(model_dir=str(base), device=device, dtype="float32", kernels="triton",
-                                 max_lora_rank=8, page_size=8, cuda_graphs=False, warmup=False), start=False)
+                                 max_lora_rank=8, page_size=8, cuda_graphs=False, warmup=False, max_model_len=64),
+                    start=False)
     try:
         before = engine.pool.usage()
-        assert warm_up(engine.model, engine.kv, 8, max_tokens=70, max_seqs=4, sizes=[1, 3, 70]) > 0
+        # 130 tokens: more than the context (max_num_batched_tokens may exceed max_model_len), so several sequences
+        assert warm_up(engine.model, engine.kv, 8, max_tokens=130, max_seqs=4, sizes=[1, 3, 63, 64, 130],
+                       max_len=engine.max_len) > 0
         assert engine.pool.usage() == before
         engine.pool.pages.check()
         assert step_sizes(4096)[:16] == list(range(1, 17)) and step_sizes(4096)[-1] == 4096
