@@ -18,7 +18,7 @@ import torch
 from backend.adapter_packing import PackedAdapter, _layout
 from backend.adapter_pool import AdapterPool
 from backend.kv_cache import PagedKVCache
-from backend.lora_batch import LoraBatch
+from backend.lora_batch import SEGMENTED_MIN_TOKENS, LoraBatch
 from backend.model_config import PROJECTIONS
 from backend.models.llama import LlamaModel
 from backend.sizing import synthetic_spec
@@ -29,9 +29,10 @@ log = logging.getLogger("manylora.warmup")
 
 
 def step_sizes(max_tokens: int) -> list[int]:
-    """1..16 each, then about 1.5x apart up to max_tokens."""
-    sizes = list(range(1, min(16, max_tokens) + 1))
-    t = 16
+    """1..64 each (the one-program-per-token kernels' block sizes follow the token count there),
+    then about 1.5x apart up to max_tokens."""
+    sizes = list(range(1, min(64, max_tokens) + 1))
+    t = 64
     while t < max_tokens:
         t = min(max_tokens, int(t * 1.5))
         sizes.append(t)
@@ -76,6 +77,15 @@ def warm_up(model: LlamaModel, kv: PagedKVCache, max_rank: int, max_tokens: int,
             model.forward(_prefill_batch(kv, owner, t, seq_cap, device), kv,
                           LoraBatch([0] * t, [resident], pool.storage, device, use_kernels=True))
             pool.pages.free(owner)
+            if t == SEGMENTED_MIN_TOKENS:
+                # segmented kernels over short segments (their smaller row blocks): sequences of 16
+                # and 32 tokens, each with its own slot
+                for seq_len in (16, 32):
+                    token_slots = [row // seq_len for row in range(t)]
+                    model.forward(_prefill_batch(kv, owner, t, seq_len, device), kv,
+                                  LoraBatch(token_slots, [resident] * (t // seq_len), pool.storage, device,
+                                            use_kernels=True))
+                    pool.pages.free(owner)
             if t > max_seqs:
                 continue
             # decode: t sequences of one token each, mixed slots and base rows

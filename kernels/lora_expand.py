@@ -21,8 +21,14 @@ from kernels.lora_meta import FLOAT_DTYPES, SegmentMeta, check_segments, check_s
 
 __all__ = ["lora_expand", "expand_config"]
 
+# Step-to-step values (token and segment counts, strides that follow the number of tokens or of
+# adapter slots) and slot-table pointers whose alignment follows the slot count: not specialised
+# on, so serving compiles no new variants (see kernels/lora_shrink.py).
+_VARYING_INTS = ["num_tokens", "num_segments", "stride_ys", "stride_bs", "stride_rs", "stride_ss"]
+_VARYING_POINTERS = ["b_row_offsets_ptr", "ranks_ptr", "scalings_ptr"]
 
-@triton.jit(do_not_specialize=["num_tokens"])
+
+@triton.jit(do_not_specialize=_VARYING_INTS, do_not_specialize_on_alignment=_VARYING_POINTERS)
 def _lora_expand_bgmv_kernel(
     # pointers
     y_ptr,  # fp32 [NS, T, R_MAX]
@@ -93,7 +99,7 @@ def _lora_expand_bgmv_kernel(
     tl.store(out_ptrs, (base.to(tl.float32) + scaling * acc).to(base.dtype), mask=n_mask)
 
 
-@triton.jit(do_not_specialize=["num_segments"])
+@triton.jit(do_not_specialize=_VARYING_INTS, do_not_specialize_on_alignment=_VARYING_POINTERS)
 def _lora_expand_sgmv_kernel(
     # pointers
     y_ptr,  # fp32 [NS, T, R_MAX]

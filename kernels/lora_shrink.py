@@ -25,6 +25,12 @@ from kernels.lora_meta import FLOAT_DTYPES, SegmentMeta, check_segments, check_s
 
 __all__ = ["lora_shrink", "shrink_config"]
 
+# Values that change from step to step (token and segment counts, strides that follow the number
+# of tokens or of adapter slots, K splits) and table pointers whose 16-byte alignment follows the
+# slot count: specialising on them (== 1, % 16, alignment) would compile new variants while serving.
+_VARYING_INTS = ["num_tokens", "num_segments", "k_split_len", "split_k", "stride_as", "stride_rs", "stride_os"]
+_VARYING_POINTERS = ["a_row_offsets_ptr", "ranks_ptr"]
+
 
 @triton.jit
 def _bgmv_rows_dot(
@@ -73,7 +79,7 @@ def _sgmv_rows_dot(
     return acc
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
+@triton.jit(do_not_specialize=_VARYING_INTS, do_not_specialize_on_alignment=_VARYING_POINTERS)
 def _lora_shrink_bgmv_kernel(
     # pointers
     x_ptr,  # [T, IN], pool dtype
@@ -87,6 +93,7 @@ def _lora_shrink_bgmv_kernel(
     in_features,
     max_rank,
     k_split_len,  # elements of K per split (a multiple of BLOCK_K)
+    split_k,  # programs along K (grid axis 1); a runtime value, so no recompilation per step size
     # strides
     stride_xm,
     stride_xk,
@@ -102,7 +109,7 @@ def _lora_shrink_bgmv_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_R_BLOCKS: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    ATOMIC: tl.constexpr,  # split_k > 1: partial sums are added into the zeroed output
     EVEN_K: tl.constexpr,
     ROW_ALIGN: tl.constexpr,  # elements in 16 bytes of the pool dtype
 ):
@@ -138,7 +145,7 @@ def _lora_shrink_bgmv_kernel(
         acc = _bgmv_rows_dot(x_row, stride_xk, pool_ptr, row_offs, r_mask, k_start, k_end, in_features,
                              BLOCK_R, BLOCK_K, EVEN_K)  # fmt: skip
     out_ptrs = out_ptr + slice_id * stride_os + token * stride_om + offs_r * stride_or
-    if SPLIT_K == 1:
+    if not ATOMIC:
         # the whole row is written here: zeros past the rank and on base-only tokens
         tl.store(out_ptrs, acc, mask=offs_r < max_rank)
     else:
@@ -146,7 +153,7 @@ def _lora_shrink_bgmv_kernel(
         tl.atomic_add(out_ptrs, acc, mask=r_mask, sem="relaxed")
 
 
-@triton.jit(do_not_specialize=["num_segments"])
+@triton.jit(do_not_specialize=_VARYING_INTS, do_not_specialize_on_alignment=_VARYING_POINTERS)
 def _lora_shrink_sgmv_kernel(
     # pointers
     x_ptr,  # [T, IN], pool dtype
@@ -161,6 +168,7 @@ def _lora_shrink_sgmv_kernel(
     num_segments,
     in_features,
     k_split_len,  # elements of K per split (a multiple of BLOCK_K)
+    split_k,  # K splits, folded into grid axis 2; a runtime value
     # strides
     stride_xm,
     stride_xk,
@@ -177,15 +185,15 @@ def _lora_shrink_sgmv_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_R_BLOCKS: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    ATOMIC: tl.constexpr,  # split_k > 1
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     ROW_ALIGN: tl.constexpr,  # elements in 16 bytes of the pool dtype
 ):
     pid_seg = tl.program_id(0)
     pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2) % SPLIT_K
-    pid_sr = tl.program_id(2) // SPLIT_K
+    pid_k = tl.program_id(2) % split_k
+    pid_sr = tl.program_id(2) // split_k
     slice_id = pid_sr // NUM_R_BLOCKS
     pid_r = pid_sr % NUM_R_BLOCKS
     if pid_seg >= num_segments:
@@ -223,7 +231,7 @@ def _lora_shrink_sgmv_kernel(
                              in_features, BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, DOT_PRECISION)  # fmt: skip
     out_ptrs = out_ptr + slice_id * stride_os + tokens[:, None] * stride_om + offs_r[None, :] * stride_or
     out_mask = m_mask[:, None] & r_mask[None, :]
-    if SPLIT_K == 1:
+    if not ATOMIC:
         tl.store(out_ptrs, acc, mask=out_mask)
     else:
         tl.atomic_add(out_ptrs, acc, mask=out_mask, sem="relaxed")
@@ -374,12 +382,12 @@ def lora_shrink(
         grid = (num_tokens, split_k, num_slices * num_r_blocks)
         _lora_shrink_bgmv_kernel[grid](
             x, pool, a_row_offsets, ranks3, token_slots, out3,
-            num_tokens, in_features, max_rank, k_split_len,
+            num_tokens, in_features, max_rank, k_split_len, split_k,
             *strides,
+            **_meta(cfg),
             NUM_R_BLOCKS=num_r_blocks,
             EVEN_K=in_features % cfg["BLOCK_K"] == 0,
             ROW_ALIGN=16 // pool.element_size(),
-            **cfg,
         )  # fmt: skip
         return out
 
@@ -396,15 +404,24 @@ def lora_shrink(
     _lora_shrink_sgmv_kernel[grid](
         x, pool, a_row_offsets, ranks3,
         segments.token_order, segments.seg_starts, segments.seg_slots, out3,
-        segments.num_segments, in_features, k_split_len,
+        segments.num_segments, in_features, k_split_len, split_k,
         *strides,
+        **_meta(cfg, always_atomic=True),
         NUM_R_BLOCKS=num_r_blocks,
         EVEN_K=in_features % cfg["BLOCK_K"] == 0,
         DOT_PRECISION="ieee",
         ROW_ALIGN=16 // pool.element_size(),
-        **cfg,
     )  # fmt: skip
     return out
+
+
+def _meta(cfg: dict[str, int], always_atomic: bool = False) -> dict[str, int]:
+    """The kernel's compile-time parameters of a config: SPLIT_K becomes the ATOMIC flag (the split
+    itself is a runtime argument). The SGMV form always adds atomically into its zeroed output, so
+    that whether a step happens to need no split does not compile a second variant."""
+    meta = {k: v for k, v in cfg.items() if k != "SPLIT_K"}
+    meta["ATOMIC"] = always_atomic or cfg["SPLIT_K"] > 1
+    return meta
 
 
 def _grid_split(cfg: dict[str, int], in_features: int, max_rank: int) -> tuple[int, int, int]:
