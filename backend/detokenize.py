@@ -47,17 +47,45 @@ def decode_chunk(tokenizer: Tokenizer, token_ids: list[int], context_ids: list[i
 class IncrementalDecoder:
     """Follows one request's output; says how many tokens may be released as clean text.
 
-    ``text`` is the decoded text of every token seen so far, for stop-string checks.
+    Work per token is bounded: whether text ends on a whole character is read from a decode
+    of the last few tokens only, and ``text`` (the decoded output so far, kept only with
+    ``track_text``: the stop-string checks need it) grows by decoding a short window, as
+    vLLM's incremental detokenizer does, rather than the whole output again.
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    TAIL_TOKENS = 16  # a window longer than any character's bytes, so its end decodes as the whole
+
+    def __init__(self, tokenizer: Tokenizer, track_text: bool = True) -> None:
         self._tokenizer = tokenizer
         self.token_ids: list[int] = []
-        self.text = ""
+        self.track_text = track_text
+        self._text = ""
+        self._prefix_offset = 0  # text window start: decoding starts here, so context effects cancel
+        self._read_offset = 0  # tokens whose text is in self._text
+
+    @property
+    def text(self) -> str:
+        """Decoded text of the output up to its last whole character (needs ``track_text``)."""
+        if not self.track_text:
+            raise RuntimeError("this decoder does not keep the text (track_text=False)")
+        return self._text
 
     def append(self, token_id: int) -> None:
         self.token_ids.append(token_id)
-        self.text = self._tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        if self.track_text:
+            self._advance()
+
+    def _advance(self) -> None:
+        ids, decode = self.token_ids, self._tokenizer.decode
+        prefix = decode(ids[self._prefix_offset:self._read_offset], skip_special_tokens=True)
+        new = decode(ids[self._prefix_offset:], skip_special_tokens=True)
+        if len(new) > len(prefix) and not new.endswith(REPLACEMENT_CHAR):
+            self._text += new[len(prefix):]
+            self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+
+    def _ends_clean(self, n: int) -> bool:
+        tail = self.token_ids[max(0, n - self.TAIL_TOKENS):n]
+        return not self._tokenizer.decode(tail, skip_special_tokens=True).endswith(REPLACEMENT_CHAR)
 
     def clean_prefix_len(self, released: int = 0, look_back: int = 8) -> int:
         """Most tokens (at least ``released``) whose text ends on a whole character.
@@ -69,11 +97,12 @@ class IncrementalDecoder:
         """
         n = len(self.token_ids)
         lowest = max(released, n - look_back)
-        while n > lowest and self.text_of(n).endswith(REPLACEMENT_CHAR):
+        while n > lowest and not self._ends_clean(n):
             n -= 1
         return n if n > released else released
 
     def text_of(self, n_tokens: int) -> str:
-        if n_tokens == len(self.token_ids):
-            return self.text
+        """Decoded text of the first n_tokens output tokens."""
+        if self.track_text and n_tokens == self._read_offset:
+            return self._text
         return self._tokenizer.decode(self.token_ids[:n_tokens], skip_special_tokens=True)

@@ -70,7 +70,7 @@ class StepBuilder:
             start, end = seq.num_computed, seq.num_computed + c.num_tokens
             pages = self.pool.pages.pages_of(seq)[: self.kv.pages_needed(end)]
             lists.starts.append(len(lists.ids))
-            lists.ids += seq.all_ids[start:end]
+            lists.ids += seq.token_slice(start, end)
             lists.positions += range(start, end)
             lists.slots += [pages[p // page_size] * page_size + p % page_size for p in range(start, end)]
             lists.pages.append(pages)

@@ -69,3 +69,28 @@ def test_strip_chars_and_empty(tokenizer):
     ids = tokenizer.encode(" crème brûlée", add_special_tokens=False).ids
     assert decode_chunk(tokenizer, ids, [], strip_chars=3) == " crème brû"
     assert decode_chunk(tokenizer, [], ids) == ""
+
+
+def test_incremental_text_equals_decoding_everything(tokenizer):
+    """The windowed text (kept for stop strings) and the tail-only clean check agree with full decodes."""
+    rng = random.Random(2)
+    vocab = tokenizer.get_vocab_size()
+    for trial in range(200):
+        if trial % 2:
+            ids = [rng.randrange(2, vocab) for _ in range(rng.randint(1, 40))]
+        else:
+            text = "".join(rng.choice(WORDS) for _ in range(rng.randint(1, 12)))
+            ids = tokenizer.encode(text, add_special_tokens=False).ids
+        tracked, untracked = IncrementalDecoder(tokenizer), IncrementalDecoder(tokenizer, track_text=False)
+        for i, token in enumerate(ids):
+            tracked.append(token)
+            untracked.append(token)
+            full = tokenizer.decode(ids[: i + 1])
+            clean = tracked.clean_prefix_len()
+            assert clean == untracked.clean_prefix_len()
+            assert not tokenizer.decode(ids[:clean]).endswith("\ufffd")
+            if not full.endswith("\ufffd"):
+                assert tracked.text == full
+            assert full.startswith(tracked.text)
+        with pytest.raises(RuntimeError, match="track_text"):
+            _ = untracked.text
