@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,7 @@ from backend.model_config import (
     PROJECTIONS,
     ModelConfig,
 )
+from backend.safetensors_view import parse_safetensors
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 LEGACY_WEIGHTS_FILE = "adapter_model.bin"
@@ -200,18 +202,24 @@ def load_adapter_weights(
     model_config: ModelConfig,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    pause: Callable[[], None] | None = None,
 ) -> LoraWeights:
     """Load an adapter's A/B tensors, checking bytes, shapes, ranks and values against ``spec``.
+
+    ``pause`` (if given) is called before each module's tensors are checked: a loader thread
+    waits there while the engine thread launches a step (backend/host_cache.py).
 
     Raises :class:`AdapterError` when the file changed since registration (sha256 mismatch), a
     tensor's shape or rank disagrees with the base model or the spec, or a value is NaN/Inf.
     """
-    from safetensors.torch import load as load_safetensors_bytes
-
     name = spec.name
     weights_path = spec.weights_path
     try:
-        data = weights_path.read_bytes()
+        with open(weights_path, "rb") as f:
+            # a writable buffer the tensors can view; readinto and hashlib release the GIL
+            data = bytearray(os.fstat(f.fileno()).st_size)
+            if f.readinto(data) != len(data):
+                raise OSError("the file changed size while it was read")
     except OSError as e:
         raise AdapterError(name, f"cannot read {weights_path}: {e}") from e
     digest = hashlib.sha256(data).hexdigest()
@@ -222,10 +230,9 @@ def load_adapter_weights(
             f"re-register the adapter",
         )
     try:
-        tensors = load_safetensors_bytes(data)
-    except Exception as e:  # the library raises several types for malformed files
+        tensors = parse_safetensors(data)
+    except ValueError as e:
         raise AdapterError(name, f"{weights_path} is not a valid safetensors file: {e}") from e
-    del data
     header: dict[str, tuple[tuple[int, ...], str]] = {}
     for key, t in tensors.items():
         dt = _TORCH_DTYPE_NAMES.get(t.dtype)
@@ -240,6 +247,8 @@ def load_adapter_weights(
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]] = {}
     expert_weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]] = {}
     for lm, entry in sorted(entries.items()):
+        if pause is not None:
+            pause()
         if entry.num_experts:
             key = (lm[0], lm[1][len(EXPERT_ENTRY_PREFIX):])
             if entry.rank != spec.expert_ranks[key]:
@@ -523,6 +532,8 @@ def _checked_tensor(name: str, key: str, t: torch.Tensor, dtype: torch.dtype) ->
     if not bool(torch.isfinite(t).all()):
         bad = int((~torch.isfinite(t)).sum())
         raise AdapterError(name, f"tensor '{key}' has {bad} non-finite (NaN/Inf) values")
+    if t.dtype == dtype:
+        return t
     out = t.to(dtype)
     if not bool(torch.isfinite(out).all()):
         raise AdapterError(name, f"tensor '{key}' overflows {dtype} (values up to {float(t.abs().max()):.3g})")

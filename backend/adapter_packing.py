@@ -11,6 +11,7 @@ Dense bases keep exactly 7 slots.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -98,7 +99,8 @@ def _layout(spec: AdapterSpec, cfg: ModelConfig, page_elems: int):
 
 
 def pack_adapter(weights: LoraWeights, cfg: ModelConfig, page_elems: int, max_rank: int,
-                 pin_memory: bool = False) -> PackedAdapter:
+                 pin_memory: bool = False, pause: Callable[[], None] | None = None) -> PackedAdapter:
+    """The adapter in pool layout; ``pause`` (if given) is called before each matrix is copied."""
     spec = weights.spec
     num_pages, rows = _layout(spec, cfg, page_elems)
     dtype = next(iter([*weights.weights.values(), *weights.expert_weights.values()]))[0].dtype
@@ -124,6 +126,8 @@ def pack_adapter(weights: LoraWeights, cfg: ModelConfig, page_elems: int, max_ra
         offsets[index[:, 0], index[:, 1], index[:, 2], index[:, 3]] = torch.tensor([r[4] for r in rows])
     for layer, m, kind, k, offset, length in rows:
         if k == 0:
+            if pause is not None:
+                pause()
             if block is not None and run_len:
                 data[run_start:run_start + run_len * block.shape[1]] = block[run_k:run_k + run_len].reshape(-1)
             block = _rows_of(weights, layer, m, kind).to(dtype)

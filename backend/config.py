@@ -32,7 +32,12 @@ class EngineConfig:
         warmup: compile the kernels for a spread of step sizes at startup (CUDA only).
         allow_runtime_adapters: accept load/unload/replace of adapters while serving; off
             unless the environment sets MANYLORA_ALLOW_RUNTIME_ADAPTERS=1 (as vLLM gates it).
-        adapter_load_workers: threads that read, check and pack adapters from disk.
+        adapter_load_workers: threads that read, check and pack adapters from disk. More threads
+            load faster but compete with the engine thread for the GIL.
+        gil_switch_interval_us: the interpreter's thread switch interval (sys.setswitchinterval)
+            while the engine runs; 0 leaves Python's 5 ms. Each Triton launch releases the GIL,
+            and with loader threads busy the engine thread then waits up to one interval to get
+            it back: at 5 ms an eager step's few hundred launches took seconds on the H200.
         admit_every_steps: while requests run, admit waiting ones only every N steps (1: every step);
             fewer mixed prefill steps leave more decode steps to the CUDA graphs, at some TTFT cost.
         resolvers: where to look for adapters a request names but the catalogue lacks,
@@ -58,7 +63,8 @@ class EngineConfig:
     warmup: bool = True
     allow_runtime_adapters: bool = field(default_factory=lambda: _env_flag("MANYLORA_ALLOW_RUNTIME_ADAPTERS"))
     resolvers: str = ""
-    adapter_load_workers: int = 4
+    adapter_load_workers: int = 2
+    gil_switch_interval_us: int = 100
     admit_every_steps: int = 1
 
     def __post_init__(self) -> None:

@@ -11,6 +11,7 @@ import logging
 import math
 import queue
 import random
+import sys
 import threading
 import time
 import traceback
@@ -85,6 +86,8 @@ class Engine:
 
     def __init__(self, config: EngineConfig, *, start: bool = True, observer: EngineObserver | None = None) -> None:
         self.config = config
+        if config.gil_switch_interval_us > 0:
+            sys.setswitchinterval(config.gil_switch_interval_us / 1e6)
         self.observer: EngineObserver = observer or NullObserver()
         self.device = resolve_device(config.device)
         if self.device.startswith("cuda") and torch.device(self.device).index is not None:
@@ -123,6 +126,9 @@ class Engine:
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graphs and self.use_kernels and self.device.startswith("cuda") and dense:
             self._capture_graphs()
+        # on a GPU the forward is launched and then awaited, and loaders use the wait; on the CPU the
+        # forward is the computation itself, and shutting loaders out of it would stall loading
+        self._gate_loaders = self.device.startswith("cuda")
         self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._last_cancel_poll = 0.0
@@ -274,7 +280,8 @@ class Engine:
             self.observer.request_failed(request.adapter or None, e.code.value)
             raise
         seed = request.sampling.seed if request.sampling.seed is not None else random.getrandbits(63)
-        seq = Sequence(request, emit, IncrementalDecoder(self.tokenizer), make_generator(seed), self.eos_ids,
+        decoder = IncrementalDecoder(self.tokenizer, track_text=bool(request.sampling.stop))
+        seq = Sequence(request, emit, decoder, make_generator(seed), self.eos_ids,
                        self.max_len, spec)
         self._counters["requests"] += 1
         self.observer.request_arrived(seq.adapter)
@@ -369,7 +376,10 @@ class Engine:
             self._finish_with_error(seq, RequestError(ErrorCode.UNAVAILABLE, f"request {seq.request_id}: {error}"))
         if not plan:
             return bool(failed)
+        gate = self.adapters.host.launch_gate
         try:
+            if self._gate_loaders:
+                gate.clear()  # adapter loaders wait while this step's kernels are launched
             build = self.steps
             lists = build.gather(plan)
             self._counters["tokens_in"] += len(lists.ids)
@@ -379,10 +389,12 @@ class Engine:
             else:
                 logits = self.model.forward(build.step_batch(plan, lists), self.kv, build.lora_batch(plan))
         except Exception as e:
+            gate.set()
             for chunk in plan:
                 self._finish_with_error(chunk.sequence, RequestError(
                     ErrorCode.INTERNAL, f"request {chunk.sequence.request_id}: step failed: {e}"))
             raise
+        gate.set()  # launched: loaders run while the device computes (sampling waits for it)
         self._counters["steps"] += 1
         for chunk in plan:
             chunk.sequence.num_computed += chunk.num_tokens

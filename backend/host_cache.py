@@ -1,8 +1,13 @@
 """The host-memory tier: adapters read from disk, checked and packed, least recently used out.
 
-Loads run on a worker thread, so the engine can prefetch the adapters of queued
+Loads run on worker threads, so the engine can prefetch the adapters of queued
 requests while the current step runs. A load that fails is remembered as an error
 for that adapter version and handed to the requests that need it.
+
+The GIL: every Triton kernel launch releases it, and a loader thread busy in Python then
+keeps the engine thread waiting before its next launch. The engine closes ``launch_gate``
+while it launches a step and opens it while the device computes; loaders wait at the gate
+between modules, so their Python runs in the engine's idle time.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ class HostAdapterCache:
         self.pin_memory = pin_memory
         self.on_load = on_load
         self._lock = threading.Lock()
+        self.launch_gate = threading.Event()  # open: loaders may run; the engine closes it while launching
+        self.launch_gate.set()
         self._entries: OrderedDict[tuple[str, str], PackedAdapter] = OrderedDict()
         self._loading: dict[tuple[str, str], Future] = {}
         self._errors: dict[tuple[str, str], AdapterError] = {}
@@ -85,8 +92,10 @@ class HostAdapterCache:
         key = (spec.name, spec.sha256)
         t0 = time.perf_counter()
         try:
-            weights = load_adapter_weights(spec, self.cfg, dtype=self.dtype, device="cpu")
-            packed = pack_adapter(weights, self.cfg, self.page_elems, self.max_rank, pin_memory=self.pin_memory)
+            pause = self.launch_gate.wait
+            weights = load_adapter_weights(spec, self.cfg, dtype=self.dtype, device="cpu", pause=pause)
+            packed = pack_adapter(weights, self.cfg, self.page_elems, self.max_rank, pin_memory=self.pin_memory,
+                                  pause=pause)
         except AdapterError as e:
             log.error("%s", e)
             with self._lock:
@@ -119,4 +128,5 @@ class HostAdapterCache:
                     "host_bytes": sum(p.nbytes for p in self._entries.values())}
 
     def shutdown(self) -> None:
+        self.launch_gate.set()  # a loader waiting at the gate finishes instead of hanging
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -166,7 +166,6 @@ def run(cfg: HeadlineConfig, out: Path) -> dict:
                 max_num_seqs=cfg.max_num_seqs,
                 max_loras=cfg.max_num_seqs,  # S-LoRA caps no adapter diversity per batch
                 max_cpu_loras=cfg.max_cpu_loras,
-                adapter_load_workers=max(4, (os.cpu_count() or 8) // 2),
                 admit_every_steps=cfg.admit_every_steps,
                 max_model_len=cfg.input_range[1] + cfg.output_range[1] + 8,
             )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import numpy as np
 import pytest
@@ -94,6 +95,23 @@ def test_host_cache_evicts_least_recently_used(base, tmp_path):
     stats = cache.stats()
     assert stats["host_evictions"] >= 1 and stats["host_cached"] <= 2
     cache.shutdown()
+
+
+def test_loaders_wait_at_the_launch_gate(base, tmp_path):
+    """While the engine holds the gate closed (launching a step) a load does not progress; opened, it ends."""
+    cfg = ModelConfig.from_dir(base)
+    spec = parse_adapter_spec("g", write_random_adapter(tmp_path / "g", base, rank=4, targets=ALL, seed=3), cfg, 16)
+    cache = HostAdapterCache(cfg, torch.float32, 4096, 16, capacity=None, pin_memory=False, workers=1)
+    try:
+        cache.launch_gate.clear()
+        cache.request(spec)
+        time.sleep(0.5)
+        assert cache.get(spec) is None and cache.stats()["host_loading"] == 1
+        cache.launch_gate.set()
+        packed = cache.wait(spec, timeout=30)
+        assert packed.spec is spec and cache.stats()["host_loads"] == 1
+    finally:
+        cache.shutdown()
 
 
 def test_two_thousand_adapters_power_law_small_pool_matches_peft(base, tmp_path):
