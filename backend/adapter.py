@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import mmap
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -45,7 +46,7 @@ from backend.model_config import (
     PROJECTIONS,
     ModelConfig,
 )
-from backend.safetensors_view import parse_safetensors
+from backend.safetensors_view import data_section, parse_safetensors
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 LEGACY_WEIGHTS_FILE = "adapter_model.bin"
@@ -215,12 +216,8 @@ def load_adapter_weights(
     name = spec.name
     weights_path = spec.weights_path
     try:
-        with open(weights_path, "rb") as f:
-            # a writable buffer the tensors can view; readinto and hashlib release the GIL
-            data = bytearray(os.fstat(f.fileno()).st_size)
-            if f.readinto(data) != len(data):
-                raise OSError("the file changed size while it was read")
-    except OSError as e:
+        data = _map_file(weights_path)
+    except (OSError, ValueError) as e:
         raise AdapterError(name, f"cannot read {weights_path}: {e}") from e
     digest = hashlib.sha256(data).hexdigest()
     if digest != spec.sha256:
@@ -246,6 +243,7 @@ def load_adapter_weights(
         )
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]] = {}
     expert_weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]] = {}
+    finite = _all_finite(data, tensors)  # one pass over the file; per tensor only to name a bad one
     for lm, entry in sorted(entries.items()):
         if pause is not None:
             pause()
@@ -256,8 +254,8 @@ def load_adapter_weights(
                     name,
                     f"tensor '{entry.a_key}' has rank {entry.rank} per expert, registered {spec.expert_ranks[key]}",
                 )
-            a = _checked_tensor(name, entry.a_key, tensors[entry.a_key], dtype)
-            b = _checked_tensor(name, entry.b_key, tensors[entry.b_key], dtype)
+            a = _checked_tensor(name, entry.a_key, tensors[entry.a_key], dtype, finite)
+            b = _checked_tensor(name, entry.b_key, tensors[entry.b_key], dtype, finite)
             num_experts, rank = entry.num_experts, entry.rank
             a = a.reshape(num_experts, rank, a.shape[1])  # expert-major rows
             b = b.reshape(b.shape[0], rank, num_experts).permute(2, 0, 1)  # rank-major columns -> [E, out, r]
@@ -267,8 +265,8 @@ def load_adapter_weights(
             raise AdapterError(
                 name, f"tensor '{entry.a_key}' has rank {entry.rank}, registered rank {spec.layer_ranks[lm]}"
             )
-        a = _checked_tensor(name, entry.a_key, tensors[entry.a_key], dtype)
-        b = _checked_tensor(name, entry.b_key, tensors[entry.b_key], dtype)
+        a = _checked_tensor(name, entry.a_key, tensors[entry.a_key], dtype, finite)
+        b = _checked_tensor(name, entry.b_key, tensors[entry.b_key], dtype, finite)
         weights[lm] = (a.to(device).contiguous(), b.to(device).contiguous(), spec.scaling[lm])
     return LoraWeights(spec=spec, weights=weights, expert_weights=expert_weights)
 
@@ -527,9 +525,33 @@ def _build_spec(
     )
 
 
-def _checked_tensor(name: str, key: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _map_file(path: Path):
+    """The file's bytes as a copy-on-write mapping (tensors can view it; hashing reads it in place,
+    without the GIL), or a bytearray for an empty file (which cannot be mapped)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return bytearray()
+        return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+
+
+def _all_finite(buf, tensors: Mapping[str, torch.Tensor]) -> bool:
+    """True when every tensor is known finite from one check over the whole data section (all of one
+    float dtype); False means "check each tensor"."""
+    dtypes = {t.dtype for t in tensors.values()}
+    if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+        return False
+    flat = data_section(buf, next(iter(dtypes)))
+    if flat is None:
+        return False
+    low, high = torch.aminmax(flat)  # NaN propagates into both; one pass, ~50x faster than isfinite on bf16
+    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
+
+
+def _checked_tensor(name: str, key: str, t: torch.Tensor, dtype: torch.dtype, known_finite: bool = False
+                    ) -> torch.Tensor:
     """Convert to ``dtype`` and refuse NaN/Inf (in the file, or from overflow in the conversion)."""
-    if not bool(torch.isfinite(t).all()):
+    if not known_finite and not bool(torch.isfinite(t).all()):
         bad = int((~torch.isfinite(t)).sum())
         raise AdapterError(name, f"tensor '{key}' has {bad} non-finite (NaN/Inf) values")
     if t.dtype == dtype:

@@ -104,7 +104,8 @@ def pack_adapter(weights: LoraWeights, cfg: ModelConfig, page_elems: int, max_ra
     spec = weights.spec
     num_pages, rows = _layout(spec, cfg, page_elems)
     dtype = next(iter([*weights.weights.values(), *weights.expert_weights.values()]))[0].dtype
-    data = torch.zeros(num_pages * page_elems, dtype=dtype, pin_memory=pin_memory)
+    # page space after the last row of a page is never read (the offset tables point at rows only)
+    data = torch.empty(num_pages * page_elems, dtype=dtype, pin_memory=pin_memory)
     slots = num_module_slots(cfg)
     offsets = torch.full((cfg.num_layers, slots, 2, max_rank), -1, dtype=torch.int64)
     ranks = torch.zeros((cfg.num_layers, slots), dtype=torch.int32)
@@ -129,16 +130,22 @@ def pack_adapter(weights: LoraWeights, cfg: ModelConfig, page_elems: int, max_ra
             if pause is not None:
                 pause()
             if block is not None and run_len:
-                data[run_start:run_start + run_len * block.shape[1]] = block[run_k:run_k + run_len].reshape(-1)
+                _copy_rows(data, run_start, block, run_k, run_len)
             block = _rows_of(weights, layer, m, kind).to(dtype)
             run_start, run_k, run_len = offset, 0, 0
         elif offset != run_start + run_len * length:  # a new page: flush the run, start another
-            data[run_start:run_start + run_len * length] = block[run_k:run_k + run_len].reshape(-1)
+            _copy_rows(data, run_start, block, run_k, run_len)
             run_start, run_k, run_len = offset, k, 0
         run_len += 1
     if block is not None and run_len:
-        data[run_start:run_start + run_len * block.shape[1]] = block[run_k:run_k + run_len].reshape(-1)
+        _copy_rows(data, run_start, block, run_k, run_len)
     return PackedAdapter(spec, data.view(num_pages, page_elems), offsets, ranks, scalings)
+
+
+def _copy_rows(data: torch.Tensor, start: int, block: torch.Tensor, first: int, count: int) -> None:
+    """data[start : start + count * width] = rows first..first+count-1 of block, in one strided copy."""
+    width = block.shape[1]
+    data[start:start + count * width].view(count, width).copy_(block[first:first + count])
 
 
 def _rows_of(weights: LoraWeights, layer: int, m: int, kind: int) -> torch.Tensor:

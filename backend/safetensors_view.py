@@ -21,8 +21,19 @@ DTYPES: dict[str, torch.dtype] = {
 MAX_HEADER_BYTES = 100 << 20  # as the safetensors library
 
 
-def parse_safetensors(buf: bytearray) -> dict[str, torch.Tensor]:
-    """name -> tensor viewing ``buf`` (which must stay alive and unchanged while they are used).
+def data_section(buf, dtype: torch.dtype) -> torch.Tensor | None:
+    """The whole data section of a parsed file as one flat ``dtype`` view (None if it does not divide
+    evenly): one finiteness check over every tensor, when they all share that dtype."""
+    (header_len,) = struct.unpack("<Q", bytes(buf[:8]))
+    start = 8 + header_len
+    if start % dtype.itemsize or (len(buf) - start) % dtype.itemsize or len(buf) == start:
+        return None
+    return torch.frombuffer(buf, dtype=dtype, offset=start, count=(len(buf) - start) // dtype.itemsize)
+
+
+def parse_safetensors(buf) -> dict[str, torch.Tensor]:
+    """name -> tensor viewing ``buf`` (a writable buffer: bytearray, or a copy-on-write mmap), which
+    must stay alive and unchanged while they are used.
 
     Raises ValueError naming what is malformed: the header length or JSON, a dtype, a shape
     that disagrees with its byte range, or a range outside the data.

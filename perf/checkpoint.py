@@ -105,6 +105,39 @@ def _tensors(shape: ModelShape) -> list[tuple[str, tuple[int, ...], str]]:
     return out
 
 
+def write_config(out: str | Path, shape: ModelShape, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """config.json of ``shape`` (Llama architecture) in ``out``: enough for adapters to be checked against."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "vocab_size": shape.vocab,
+                "hidden_size": shape.hidden,
+                "intermediate_size": shape.intermediate,
+                "num_hidden_layers": shape.layers,
+                "num_attention_heads": shape.heads,
+                "num_key_value_heads": shape.kv_heads,
+                "head_dim": shape.head_dim,
+                "hidden_act": "silu",
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 500000.0,
+                "max_position_embeddings": shape.max_position_embeddings,
+                "bos_token_id": 0,
+                "eos_token_id": 1,
+                "tie_word_embeddings": False,
+                "torch_dtype": _DTYPE_NAMES[dtype],
+                "attention_bias": False,
+                "mlp_bias": False,
+            },
+            indent=1,
+        )
+    )
+    return out
+
+
 def write_base(
     out: str | Path,
     shape: ModelShape,
@@ -159,32 +192,7 @@ def write_base(
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
     )
-    (out / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"],
-                "model_type": "llama",
-                "vocab_size": shape.vocab,
-                "hidden_size": shape.hidden,
-                "intermediate_size": shape.intermediate,
-                "num_hidden_layers": shape.layers,
-                "num_attention_heads": shape.heads,
-                "num_key_value_heads": shape.kv_heads,
-                "head_dim": shape.head_dim,
-                "hidden_act": "silu",
-                "rms_norm_eps": 1e-5,
-                "rope_theta": 500000.0,
-                "max_position_embeddings": shape.max_position_embeddings,
-                "bos_token_id": 0,
-                "eos_token_id": 1,
-                "tie_word_embeddings": False,
-                "torch_dtype": _DTYPE_NAMES[dtype],
-                "attention_bias": False,
-                "mlp_bias": False,
-            },
-            indent=1,
-        )
-    )
+    write_config(out, shape, dtype)
     write_tokenizer(out, shape.vocab)
     return out
 
