@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.lora_meta import FLOAT_DTYPES, check_shape, check_tensor
+from kernels.lora_meta import FLOAT_DTYPES, cdiv, check_shape, check_tensor
 from kernels.moe_align import MoeAlignment, moe_align_block_size
 
 __all__ = ["fused_moe", "fused_moe_gemm", "moe_gemm_config", "silu_and_mul", "check_moe_args", "moe_reduce"]
@@ -169,7 +169,7 @@ def fused_moe_gemm(
         rw = topk_weights.reshape(-1).contiguous()
     else:
         rw = c  # not read
-    grid = (align.max_blocks, triton.cdiv(n_size, cfg["BLOCK_N"]))
+    grid = (align.max_blocks, cdiv(n_size, cfg["BLOCK_N"]))
     _fused_moe_gemm_kernel[grid](
         a, w, c, rw,
         align.sorted_pair_ids, align.block_expert_ids, align.num_tokens_post_padded,

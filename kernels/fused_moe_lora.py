@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from kernels.fused_moe import check_moe_args, fused_moe, fused_moe_gemm, moe_gemm_config, moe_reduce, silu_and_mul
-from kernels.lora_meta import check_shape, check_tensor
+from kernels.lora_meta import cdiv, check_shape, check_tensor
 from kernels.moe_align import MoeAlignment, moe_align_block_size
 
 __all__ = [
@@ -269,9 +269,9 @@ def moe_lora_shrink_config(
     """
     block_k = min(64, max(16, triton.next_power_of_2(k_size)))
     block_r = min(64, max(16, triton.next_power_of_2(max_rank)))
-    k_chunks = triton.cdiv(k_size, block_k)
-    est_blocks = max(1, min(num_pairs, triton.cdiv(num_pairs, block_m) + num_experts)) * num_slices
-    split_k = max(1, min(16, k_chunks, triton.next_power_of_2(triton.cdiv(264, est_blocks))))
+    k_chunks = cdiv(k_size, block_k)
+    est_blocks = max(1, min(num_pairs, cdiv(num_pairs, block_m) + num_experts)) * num_slices
+    split_k = max(1, min(16, k_chunks, triton.next_power_of_2(cdiv(264, est_blocks))))
     return {"BLOCK_M": block_m, "BLOCK_R": block_r, "BLOCK_K": block_k, "SPLIT_K": split_k, "num_warps": 4}
 
 
@@ -351,7 +351,7 @@ def moe_lora_shrink(
     _check_lora_align(align, num_slots, num_experts, cfg["BLOCK_M"])
     if align.max_blocks == 0 or max_rank == 0 or k_size == 0:
         return y
-    num_r_blocks = triton.cdiv(max_rank, cfg["BLOCK_R"])
+    num_r_blocks = cdiv(max_rank, cfg["BLOCK_R"])
     grid = (align.max_blocks, cfg["SPLIT_K"], num_slices * num_r_blocks)
     _moe_lora_shrink_kernel[grid](
         a_in, pool, a4, ranks,
@@ -435,7 +435,7 @@ def moe_lora_expand(
         rw = y3  # not read
     if align.max_blocks == 0 or max_rank == 0 or slice_width == 0:
         return out
-    num_n_blocks = triton.cdiv(slice_width, cfg["BLOCK_N"])
+    num_n_blocks = cdiv(slice_width, cfg["BLOCK_N"])
     grid = (align.max_blocks, num_slices * num_n_blocks)
     _moe_lora_expand_kernel[grid](
         y3, pool, b4, ranks, scalings,

@@ -11,13 +11,14 @@ grouped by slot into segments, tl.dot tiles, prefill).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_meta import FLOAT_DTYPES, SegmentMeta, check_segments, check_shape, check_tensor
+from kernels.lora_meta import FLOAT_DTYPES, SegmentMeta, cdiv, check_segments, check_shape, check_tensor
 
 __all__ = ["lora_expand", "expand_config"]
 
@@ -188,7 +189,8 @@ def _lora_expand_sgmv_kernel(
     tl.store(out_ptrs, (base.to(tl.float32) + scaling * acc).to(base.dtype), mask=out_mask)
 
 
-def expand_config(
+@functools.lru_cache(maxsize=4096)
+def _expand_config_cached(
     num_tokens: int, max_out: int, max_rank: int, segmented: bool, max_seg_len: int = 0, num_slices: int = 1
 ) -> dict[str, int]:
     """Block sizes for ``lora_expand`` (a plain heuristic; tl.dot tiles stay >= 16).
@@ -201,12 +203,17 @@ def expand_config(
     if not segmented:
         block_r = min(32, triton.next_power_of_2(max(1, max_rank)))
         block_n = max(128, min(512, 4096 // block_r))
-        while block_n > 64 and max_out >= 1024 and num_tokens * num_slices * triton.cdiv(max_out, block_n) < 4 * 132:
+        while block_n > 64 and max_out >= 1024 and num_tokens * num_slices * cdiv(max_out, block_n) < 4 * 132:
             block_n //= 2
         return {"BLOCK_R": block_r, "BLOCK_N": min(block_n, n_cap), "num_warps": 4}
     block_m = 16 if max_seg_len <= 16 else (32 if max_seg_len <= 32 else 64)
     block_n = min(256, n_cap)
     return {"BLOCK_M": block_m, "BLOCK_R": 16, "BLOCK_N": min(block_n, 128 if block_m < 64 else 64), "num_warps": 4}
+
+
+def expand_config(*args, **kwargs) -> dict[str, int]:
+    """A fresh copy of the cached heuristic's choice (see ``_expand_config_cached``): callers may change it."""
+    return dict(_expand_config_cached(*args, **kwargs))
 
 
 _BOUNDS_CACHE: dict[tuple, torch.Tensor] = {}
@@ -337,7 +344,7 @@ def lora_expand(
     )  # fmt: skip
     if segments is None:
         cfg = dict(config or expand_config(num_tokens, max_out, max_rank, segmented=False, num_slices=num_slices))
-        grid = (num_tokens, triton.cdiv(max_out, cfg["BLOCK_N"]), num_slices)
+        grid = (num_tokens, cdiv(max_out, cfg["BLOCK_N"]), num_slices)
         _lora_expand_bgmv_kernel[grid](
             y3, pool, b3, ranks3, scalings3, token_slots, bounds, base_out,
             num_tokens,
@@ -350,8 +357,8 @@ def lora_expand(
     if segments.num_segments == 0:
         return base_out
     cfg = dict(config or expand_config(num_tokens, max_out, max_rank, True, segments.max_seg_len))
-    num_n_blocks = triton.cdiv(max_out, cfg["BLOCK_N"])
-    grid = (segments.num_segments, triton.cdiv(segments.max_seg_len, cfg["BLOCK_M"]), num_slices * num_n_blocks)
+    num_n_blocks = cdiv(max_out, cfg["BLOCK_N"])
+    grid = (segments.num_segments, cdiv(segments.max_seg_len, cfg["BLOCK_M"]), num_slices * num_n_blocks)
     _lora_expand_sgmv_kernel[grid](
         y3, pool, b3, ranks3, scalings3,
         segments.token_order, segments.seg_starts, segments.seg_slots, bounds, base_out,

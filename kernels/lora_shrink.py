@@ -17,11 +17,13 @@ Adapter rows live in the flat ``pool``: row k of A for slot s starts at pool ele
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_meta import FLOAT_DTYPES, SegmentMeta, check_segments, check_shape, check_tensor
+from kernels.lora_meta import FLOAT_DTYPES, SegmentMeta, cdiv, check_segments, check_shape, check_tensor
 
 __all__ = ["lora_shrink", "shrink_config"]
 
@@ -244,12 +246,13 @@ _TARGET_PROGRAMS = 4 * NUM_SMS
 def _split_k(in_features: int, block_k: int, base_programs: int, target: int = _TARGET_PROGRAMS) -> int:
     """K splits so that ``base_programs * split`` reaches ``target``: the smallest divisor of the
     number of K blocks that does (all splits then get the same number of K blocks)."""
-    num_k_blocks = triton.cdiv(in_features, block_k)
-    want = triton.cdiv(target, max(1, base_programs))
+    num_k_blocks = cdiv(in_features, block_k)
+    want = cdiv(target, max(1, base_programs))
     return next((d for d in range(1, num_k_blocks + 1) if num_k_blocks % d == 0 and d >= want), num_k_blocks)
 
 
-def shrink_config(
+@functools.lru_cache(maxsize=4096)
+def _shrink_config_cached(
     num_tokens: int,
     in_features: int,
     max_rank: int,
@@ -268,9 +271,9 @@ def shrink_config(
     if not segmented:
         block_r = min(64, triton.next_power_of_2(max(1, max_rank)))
         block_k = min(k_cap, max(128, min(512, 4096 // block_r)))
-        base = num_tokens * num_slices * triton.cdiv(max_rank, block_r)
+        base = num_tokens * num_slices * cdiv(max_rank, block_r)
         # too few programs even with one K block each: smaller tiles, more programs
-        while block_k > 128 and base * triton.cdiv(in_features, block_k) < _TARGET_PROGRAMS:
+        while block_k > 128 and base * cdiv(in_features, block_k) < _TARGET_PROGRAMS:
             block_k //= 2
         block_k = min(block_k, k_cap)
         split = _split_k(in_features, block_k, base)
@@ -279,9 +282,14 @@ def shrink_config(
     block_r = min(64, max(16, triton.next_power_of_2(max(1, max_rank))))
     block_k = min(k_cap, 128 if block_m * block_r <= 2048 else 64)
     num_segments = num_segments or 1
-    base = num_segments * triton.cdiv(max(1, max_seg_len), block_m) * num_slices * triton.cdiv(max_rank, block_r)
+    base = num_segments * cdiv(max(1, max_seg_len), block_m) * num_slices * cdiv(max_rank, block_r)
     split = _split_k(in_features, block_k, base)
     return {"BLOCK_M": block_m, "BLOCK_R": block_r, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": 4}
+
+
+def shrink_config(*args, **kwargs) -> dict[str, int]:
+    """A fresh copy of the cached heuristic's choice (see ``_shrink_config_cached``): callers may change it."""
+    return dict(_shrink_config_cached(*args, **kwargs))
 
 
 def lora_shrink(
@@ -399,7 +407,7 @@ def lora_shrink(
                         segments.num_segments)  # fmt: skip
     cfg.update(config or {})
     num_r_blocks, k_split_len, split_k = _grid_split(cfg, in_features, max_rank)
-    num_m_blocks = triton.cdiv(segments.max_seg_len, cfg["BLOCK_M"])
+    num_m_blocks = cdiv(segments.max_seg_len, cfg["BLOCK_M"])
     grid = (segments.num_segments, num_m_blocks, num_slices * num_r_blocks * split_k)
     _lora_shrink_sgmv_kernel[grid](
         x, pool, a_row_offsets, ranks3,
@@ -427,8 +435,8 @@ def _meta(cfg: dict[str, int], always_atomic: bool = False) -> dict[str, int]:
 def _grid_split(cfg: dict[str, int], in_features: int, max_rank: int) -> tuple[int, int, int]:
     """(rank blocks, K elements per split, number of splits) for a config; fixes cfg["SPLIT_K"]."""
     block_k = cfg["BLOCK_K"]
-    num_k_blocks = triton.cdiv(in_features, block_k)
-    blocks_per_split = triton.cdiv(num_k_blocks, max(1, min(int(cfg.get("SPLIT_K", 1)), num_k_blocks)))
-    split_k = triton.cdiv(num_k_blocks, blocks_per_split)
+    num_k_blocks = cdiv(in_features, block_k)
+    blocks_per_split = cdiv(num_k_blocks, max(1, min(int(cfg.get("SPLIT_K", 1)), num_k_blocks)))
+    split_k = cdiv(num_k_blocks, blocks_per_split)
     cfg["SPLIT_K"] = split_k
-    return triton.cdiv(max_rank, cfg["BLOCK_R"]), blocks_per_split * block_k, split_k
+    return cdiv(max_rank, cfg["BLOCK_R"]), blocks_per_split * block_k, split_k
