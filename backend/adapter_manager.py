@@ -18,6 +18,7 @@ from backend.unified_pool import UnifiedPool
 
 class Readiness(Enum):
     RESIDENT = "resident"  # in the GPU pool
+    UPLOADING = "uploading"  # pages taken in the pool, the copy into them still running
     HOST = "host"  # in host memory, one copy away
     LOADING = "loading"  # being read from disk
 
@@ -42,8 +43,9 @@ class AdapterManager:
 
     def readiness(self, spec: AdapterSpec) -> Readiness:
         """Where the adapter is; raises its AdapterError if it failed to load."""
-        if self.gpu.get(spec) is not None:
-            return Readiness.RESIDENT
+        entry = self.gpu.get(spec)
+        if entry is not None:
+            return Readiness.RESIDENT if entry.ready() else Readiness.UPLOADING
         return Readiness.HOST if self.host.get(spec) is not None else Readiness.LOADING
 
     def pages_to_admit(self, spec: AdapterSpec) -> int:
@@ -53,12 +55,23 @@ class AdapterManager:
         return self.gpu.make_room(num_pages, pinned)
 
     def make_resident(self, spec: AdapterSpec) -> ResidentAdapter:
+        """Copy the adapter into the pool on this thread (waiting for a copy in flight)."""
         entry = self.gpu.get(spec)
         if entry is not None:
+            entry.wait()
             return entry
         packed = self.host.get(spec)
         assert packed is not None, f"adapter '{spec.name}' made resident before it was loaded"
         return self.gpu.upload(packed)
+
+    def start_upload(self, spec: AdapterSpec) -> ResidentAdapter:
+        """Take the adapter's pages and copy it in off this thread (the caller made room)."""
+        entry = self.gpu.get(spec)
+        if entry is not None:
+            return entry
+        packed = self.host.get(spec)
+        assert packed is not None, f"adapter '{spec.name}' uploaded before it was loaded"
+        return self.gpu.begin_upload(packed)
 
     def resident(self, spec: AdapterSpec) -> ResidentAdapter:
         entry = self.gpu.get(spec)
@@ -73,6 +86,7 @@ class AdapterManager:
             "pool_pages_adapters": usage["adapters"],
             "pool_pages_free": usage["free"],
             "adapters_resident": self.gpu.resident_names(),
+            "adapters_uploading": self.gpu.uploading(),
             "adapter_uploads": self.gpu.uploads,
             "adapter_evictions": self.gpu.evictions,
             **self.host.stats(),

@@ -1,12 +1,19 @@
 """The GPU tier: adapters resident in the unified pool, least recently used out first.
 
 An adapter used by a running request is pinned by the caller and never evicted.
+
+Copies into the pool can run off the engine thread (``begin_upload``): the engine thread
+takes the pages and computes the offset tables, a worker thread copies the packed weights
+in on a side CUDA stream, and the adapter counts as resident once that copy has finished
+(``is_ready``). A copy from pageable host memory blocks the thread that issues it; at 84 MB
+per rank-16 Llama-3-8B adapter that was the engine thread's time before.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +30,25 @@ class ResidentAdapter:
     ranks: torch.Tensor  # int32 [layers, 7]
     scalings: torch.Tensor  # float32 [layers, 7]
     num_pages: int
+    copy: Future | None = field(default=None, repr=False)  # the copy into the pool, while it runs
+    copied: torch.cuda.Event | None = field(default=None, repr=False)  # recorded after it on the side stream
+
+    def ready(self) -> bool:
+        """Whether the weights are in the pool (kernels launched from now on read them whole)."""
+        if self.copy is None:
+            return True
+        if not self.copy.done() or (self.copied is not None and not self.copied.query()):
+            return False
+        self.copy.result()  # re-raises a failed copy
+        self.copy = self.copied = None
+        return True
+
+    def wait(self) -> None:
+        if self.copy is not None:
+            self.copy.result()
+            if self.copied is not None:
+                self.copied.synchronize()
+            self.copy = self.copied = None
 
 
 class AdapterPool:
@@ -32,37 +58,81 @@ class AdapterPool:
         self._resident: OrderedDict[tuple[str, str], ResidentAdapter] = OrderedDict()  # (name, sha256)
         self.uploads = 0
         self.evictions = 0
+        self._copier: ThreadPoolExecutor | None = None
+        self._stream = None
 
     def get(self, spec: AdapterSpec) -> ResidentAdapter | None:
+        """The version's entry if it has pages in the pool (its copy may still run: see ``is_ready``)."""
         key = (spec.name, spec.sha256)
         entry = self._resident.get(key)
         if entry is not None:
             self._resident.move_to_end(key)
         return entry
 
+    def is_ready(self, spec: AdapterSpec) -> bool:
+        entry = self._resident.get((spec.name, spec.sha256))
+        return entry is not None and entry.ready()
+
     def upload(self, packed: PackedAdapter) -> ResidentAdapter:
-        """Copy a packed adapter into free pages (the caller made room).
+        """Copy a packed adapter into free pages (the caller made room), on this thread.
 
         Versions of one name are separate entries: requests admitted with an older
         version keep reading it until they finish.
         """
+        entry, page_ids = self._place(packed)
+        self._copy(packed, page_ids, None)
+        return entry
+
+    def begin_upload(self, packed: PackedAdapter) -> ResidentAdapter:
+        """Take pages for the adapter (the caller made room) and copy it in on a worker thread; the entry
+        is ready (``ResidentAdapter.ready``) when the copy has finished."""
+        entry, page_ids = self._place(packed)
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-copy")
+        after = None
+        if self.device.startswith("cuda"):
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(device=self.device)
+            after = torch.cuda.Event()
+            after.record()  # pages just freed may still be read by launched work: copy after it
+            entry.copied = torch.cuda.Event()
+        entry.copy = self._copier.submit(self._copy, packed, page_ids, after, entry.copied)
+        return entry
+
+    def _place(self, packed: PackedAdapter) -> tuple[ResidentAdapter, torch.Tensor]:
         name = packed.spec.name
         key = AdapterKey(name, packed.spec.sha256)
         pages = self.pool.pages.allocate(key, packed.num_pages)
         page_ids = torch.tensor(pages, dtype=torch.int64)
         pe = self.pool.page_elems
-        storage = self.pool.storage.view(self.pool.num_pages, pe)
-        storage.index_copy_(0, page_ids.to(self.device), packed.data.to(self.device, non_blocking=True))
         rel = packed.row_offsets
         absolute = torch.where(rel >= 0, page_ids[rel.clamp(min=0) // pe] * pe + rel.clamp(min=0) % pe, rel)
         entry = ResidentAdapter(key, packed.spec, absolute.to(self.device), packed.ranks.to(self.device),
                                 packed.scalings.to(self.device), packed.num_pages)
         self._resident[(name, packed.spec.sha256)] = entry
         self.uploads += 1
-        return entry
+        return entry, page_ids
+
+    def _copy(self, packed: PackedAdapter, page_ids: torch.Tensor, after: torch.cuda.Event | None,
+              done: torch.cuda.Event | None = None) -> None:
+        storage = self.pool.storage.view(self.pool.num_pages, self.pool.page_elems)
+        if after is None:
+            storage.index_copy_(0, page_ids.to(self.device), packed.data.to(self.device, non_blocking=True))
+            return
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(after)
+            data = packed.data.to(self.device, non_blocking=True)
+            storage.index_copy_(0, page_ids.to(self.device, non_blocking=True), data)
+            done.record(self._stream)
+
+    def wait_all(self) -> None:
+        """Let every copy in flight finish."""
+        for entry in self._resident.values():
+            entry.wait()
 
     def evict(self, key: tuple[str, str]) -> None:
         entry = self._resident.pop(key)
+        entry.wait()  # its pages are written until the copy ends
         self.pool.pages.free(entry.key)
         self.evictions += 1
 
@@ -74,6 +144,13 @@ class AdapterPool:
             if key not in pinned:
                 self.evict(key)
         return self.pool.pages.can_allocate(num_pages)
+
+    def shutdown(self) -> None:
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+
+    def uploading(self) -> int:
+        return sum(1 for entry in self._resident.values() if entry.copy is not None)
 
     def resident_names(self) -> list[str]:
         return [f"{name}@{sha[:12]}" for name, sha in self._resident]

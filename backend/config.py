@@ -34,6 +34,9 @@ class EngineConfig:
             unless the environment sets MANYLORA_ALLOW_RUNTIME_ADAPTERS=1 (as vLLM gates it).
         adapter_load_workers: threads that read, check and pack adapters from disk. More threads
             load faster but compete with the engine thread for the GIL.
+        async_adapter_uploads: copy adapters from host memory into the pool on a worker thread (a
+            side CUDA stream on a GPU) while steps go on; their requests join when the copy is done.
+            Adapters of queued requests are also copied ahead into free pages.
         gil_switch_interval_us: the interpreter's thread switch interval (sys.setswitchinterval)
             while the engine runs; 0 leaves Python's 5 ms. Each Triton launch releases the GIL,
             and with loader threads busy the engine thread then waits up to one interval to get
@@ -65,6 +68,7 @@ class EngineConfig:
     resolvers: str = ""
     adapter_load_workers: int = 2
     gil_switch_interval_us: int = 100
+    async_adapter_uploads: bool = True
     admit_every_steps: int = 1
 
     def __post_init__(self) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from backend.adapter import AdapterSpec
-from backend.adapter_manager import AdapterManager
+from backend.adapter_manager import AdapterManager, Readiness
 from backend.catalogue import AdapterCatalogue
 from backend.config import EngineConfig
 from backend.cuda_graphs import DecodeGraphs
@@ -117,7 +117,7 @@ class Engine:
         self.adapters = AdapterManager(self.catalogue, self.pool, host, self.device)
         self._log_pool()
         self.scheduler = Scheduler(self.kv, self.adapters, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_loras, config.admit_every_steps)
+                                   config.max_loras, config.admit_every_steps, config.async_adapter_uploads)
         self.steps = StepBuilder(cfg, self.kv, self.adapters, self.device, self.use_kernels)
         dense = not cfg.is_moe  # MoE routing is data-dependent: no graphs, eager warm-up not written yet
         if config.warmup and self.use_kernels and self.device.startswith("cuda") and dense:
@@ -312,6 +312,7 @@ class Engine:
         if self._thread.is_alive():
             self._thread.join(timeout)
         self.adapters.host.shutdown()
+        self.adapters.gpu.shutdown()
 
     # ------------------------------------------------------------------- loop
     def _loop(self) -> None:
@@ -363,11 +364,28 @@ class Engine:
             self._finish_with_error(seq, RequestError(ErrorCode.UNAVAILABLE, f"request {seq.request_id}: {why}"))
 
     def _prefetch(self) -> None:
+        """Start host loads of queued requests' adapters; with async uploads, copy those already in host
+        memory into free pages ahead of admission (never evicting, leaving a page per running sequence)."""
+        pages = self.pool.pages
+        upload_slots = self.config.max_num_seqs - len(self.scheduler.running)
+        if not self.config.async_adapter_uploads:
+            upload_slots = 0
         for i, seq in enumerate(self.scheduler.waiting):
             if i >= PREFETCH_LOOKAHEAD:
                 break
-            if seq.spec:
-                self.adapters.prefetch(seq.spec)
+            spec = seq.spec
+            if not spec:
+                continue
+            self.adapters.prefetch(spec)
+            if i >= upload_slots:
+                continue
+            try:
+                ready = self.adapters.readiness(spec)
+            except AdapterError:
+                continue  # the scheduler hands the error to the request
+            spare = self.kv.pages_needed(seq.num_tokens() + 1) + len(self.scheduler.running)
+            if ready is Readiness.HOST and pages.can_allocate(self.adapters.pages(spec) + spare):
+                self.adapters.start_upload(spec)
 
     def step(self) -> bool:
         """One scheduling decision and one forward pass; False when nothing could run."""

@@ -3,8 +3,11 @@
 Every step, running sequences continue (a decode token, or the next prefill chunk), then
 waiting ones join in arrival order while the token budget, the sequence limit, the
 distinct-adapter limit (max_loras) and the pool's pages allow. A waiting request whose
-adapter is still being read from disk is passed over (it keeps its place); one whose
-adapter would exceed max_loras, or does not fit, stops admission so nobody overtakes it.
+adapter is still being read from disk, or copied into the pool, is passed over (it keeps its
+place); one whose adapter would exceed max_loras, or does not fit, stops admission so nobody
+overtakes it. With ``async_uploads`` an adapter in host memory is not copied into the pool by
+the engine thread: its pages are taken and a worker copies it while steps go on; its request
+joins once the copy is done.
 Pages come from the unified pool: idle resident adapters are evicted first; when a running
 sequence still needs a page, the newest running sequence is preempted (its pages freed,
 back to the front of the queue, recomputed later).
@@ -30,7 +33,7 @@ class ScheduledChunk:
 
 class Scheduler:
     def __init__(self, kv: PagedKVCache, adapters: AdapterManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_loras: int, admit_every_steps: int = 1) -> None:
+                 max_loras: int, admit_every_steps: int = 1, async_uploads: bool = False) -> None:
         self.kv = kv
         self.pages = kv.pool.pages
         self.adapters = adapters
@@ -40,6 +43,7 @@ class Scheduler:
         # Admit waiting requests only every N steps while others run: a step with a prefill is
         # eager, a decode-only step can replay a CUDA graph (1 = admit at every step).
         self.admit_every_steps = admit_every_steps
+        self.async_uploads = async_uploads
         self._steps_since_admit = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -101,7 +105,7 @@ class Scheduler:
                     del self.waiting[i]
                     failed.append((seq, e))
                     continue
-                if ready is Readiness.LOADING:
+                if ready in (Readiness.LOADING, Readiness.UPLOADING):
                     i += 1
                     continue
                 if seq.adapter_key not in active and len(active) >= self.max_loras:
@@ -112,6 +116,10 @@ class Scheduler:
             if not self.pages.can_allocate(need) and not self.adapters.make_room(need, keep):
                 break
             if spec is not None:
+                if self.async_uploads and ready is Readiness.HOST:
+                    self.adapters.start_upload(spec)  # joins once the copy is done
+                    i += 1
+                    continue
                 self.adapters.make_resident(spec)
                 active.add(seq.adapter_key)
             n = min(seq.num_tokens() - seq.num_computed, budget)

@@ -81,6 +81,61 @@ def test_packed_rows_read_back_as_the_adapter(base, tmp_path, rank, targets):
     assert owned.isdisjoint(pool.pages.pages_of("someone"))
 
 
+def test_upload_off_the_engine_thread(base, tmp_path, monkeypatch):
+    """begin_upload takes the pages at once; the entry is ready only when the worker's copy is done, and
+    then reads back as the adapter; evicting waits for a copy in flight."""
+    import threading
+
+    cfg = ModelConfig.from_dir(base)
+    weights = load_adapter_weights(parse_adapter_spec(
+        "up", write_random_adapter(tmp_path / "up", base, rank=4, targets=ALL, seed=9), cfg, 16), cfg)
+    pool = UnifiedPool(cfg, 64, 16, torch.float32, "cpu")
+    gpu = AdapterPool(pool, "cpu")
+    packed = pack_adapter(weights, cfg, pool.page_elems, 16)
+    release, copier_threads = threading.Event(), []
+    real_copy = AdapterPool._copy
+
+    def held_copy(self, *args, **kwargs):
+        copier_threads.append(threading.current_thread().name)
+        release.wait(30)
+        return real_copy(self, *args, **kwargs)
+
+    monkeypatch.setattr(AdapterPool, "_copy", held_copy)
+    try:
+        entry = gpu.begin_upload(packed)
+        assert pool.usage()["adapters"] == packed.num_pages  # pages are taken before the copy
+        time.sleep(0.2)
+        assert not entry.ready() and not gpu.is_ready(packed.spec) and gpu.uploading() == 1
+        release.set()
+        deadline = time.monotonic() + 30
+        while not entry.ready():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert copier_threads and copier_threads[0] != threading.current_thread().name
+        assert gpu.uploading() == 0
+        for (layer, module), (a, b, _scaling) in weights.weights.items():
+            m = ALL.index(module)
+            rows = entry.row_offsets[layer, m, 0, : a.shape[0]]
+            assert torch.equal(pool.storage[rows[:, None] + torch.arange(a.shape[1])], a)
+            rows = entry.row_offsets[layer, m, 1, : a.shape[0]]
+            assert torch.equal(pool.storage[rows[:, None] + torch.arange(b.shape[0])], b.t())
+        # a second version still copying is waited for when evicted
+        release.clear()
+        packed2 = pack_adapter(weights, cfg, pool.page_elems, 16)
+        packed2.spec = parse_adapter_spec("up2", tmp_path / "up", cfg, 16)
+        gpu.begin_upload(packed2)
+        threading.Timer(0.2, release.set).start()
+        t = time.monotonic()
+        gpu.evict(("up2", packed2.spec.sha256))
+        assert time.monotonic() - t >= 0.1
+        gpu.evict(("up", packed.spec.sha256))
+        assert pool.usage()["adapters"] == 0
+        pool.pages.check()
+    finally:
+        release.set()
+        gpu.shutdown()
+
+
 def test_host_cache_evicts_least_recently_used(base, tmp_path):
     cfg = ModelConfig.from_dir(base)
     specs = [parse_adapter_spec(f"a{i}", write_random_adapter(tmp_path / f"a{i}", base, rank=2, targets=["q_proj"],
