@@ -1,30 +1,55 @@
 #!/usr/bin/env bash
 # TTFT and ITL through the Triton server (gRPC streaming, the generator model) at 50% and 90% of a
-# saturating rate, Llama-3-8B shape, random bf16 weights, 100 rank-16 adapters, S-LoRA's workload.
+# saturating rate: random weights of SHAPE, 100 rank-16 adapters, S-LoRA's workload.
 #   SATURATION=<req/s measured by perf.headline> bash perf/h200/server_latency.sh $OUT
+# On the H200 (defaults: SHAPE=llama3-8b DEVICE=cuda, env.sh for the server's Python). A CPU dry run
+# of the same steps: SHAPE=tiny DEVICE=cpu USE_ENV_SH=0 PYTHON=.venv/bin/python SATURATION=4 DURATION=5
 set -u
 OUT=${1:-/tmp/server_latency}
 SAT=${SATURATION:?set SATURATION to the saturating rate (req/s) the headline measured}
+SHAPE=${SHAPE:-llama3-8b}
+DEVICE=${DEVICE:-cuda}
+DURATION=${DURATION:-30}
+PYTHON=${PYTHON:-python3}
+GRPC_PORT=${GRPC_PORT:-8001}
+HTTP_PORT=${HTTP_PORT:-8000}
+CKPT=${CKPT:-/tmp/ckpt_$SHAPE}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-python3 - <<'PY'
+read -r VOCAB MAX_LEN < <("$PYTHON" - "$SHAPE" "$CKPT" "$DEVICE" <<'PY'
+import sys
 from perf.checkpoint import SHAPES, write_adapter_catalogue, write_base
-shape = SHAPES["llama3-8b"]
-write_base("/tmp/ckpt8b", shape)
-write_adapter_catalogue("/tmp/ckpt8b_adapters", shape, [f"lora-{i:04d}" for i in range(100)], distinct=8)
+from perf.headline import DEFAULTS
+from perf.workload import adapter_name
+shape, ckpt = SHAPES[sys.argv[1]], sys.argv[2]
+dev = "cuda" if sys.argv[3].startswith("cuda") else "cpu"  # random weights drawn on the GPU are quick
+write_base(f"{ckpt}/base", shape, device=dev)
+write_adapter_catalogue(f"{ckpt}/adapters", shape, [adapter_name(i) for i in range(100)], distinct=8, device=dev)
+d = DEFAULTS[sys.argv[1]]
+print(shape.vocab, d["input_range"][1] + d["output_range"][1] + 8)
 PY
-source perf/h200/env.sh
-python scripts/serve.py --base-model /tmp/ckpt8b --adapters /tmp/ckpt8b_adapters/catalogue.json --param device=cuda \
-  --param max_num_seqs=64 --param max_loras=64 --param max_model_len=1100 > "$OUT/server.log" 2>&1 &
+)
+"$PYTHON" - "$SHAPE" > "$OUT/lengths.txt" <<'PY'
+import sys
+from perf.headline import DEFAULTS
+d = DEFAULTS[sys.argv[1]]
+print(*d["input_range"], *d["output_range"])
+PY
+read -r IN_LO IN_HI OUT_LO OUT_HI < "$OUT/lengths.txt"
+if [ "${USE_ENV_SH:-1}" = 1 ]; then source perf/h200/env.sh; SERVE_PY=python; else SERVE_PY=$PYTHON; fi
+$SERVE_PY scripts/serve.py --base-model "$CKPT/base" --adapters "$CKPT/adapters/catalogue.json" --param device="$DEVICE" \
+  --param max_num_seqs=64 --param max_loras=64 --param max_model_len="$MAX_LEN" \
+  --http-port "$HTTP_PORT" --grpc-port "$GRPC_PORT" --metrics-port $((HTTP_PORT + 2)) > "$OUT/server.log" 2>&1 &
 SERVER=$!
-for i in $(seq 1 300); do curl -sf localhost:8000/v2/models/generator/ready >/dev/null 2>&1 && break; sleep 1; done
+for i in $(seq 1 300); do curl -sf "localhost:$HTTP_PORT/v2/models/generator/ready" >/dev/null 2>&1 && break; sleep 1; done
 echo "server ready after ${i}s"
 for frac in 0.5 0.9; do
-  rate=$(python3 -c "print(round($SAT * $frac, 2))")
-  python3 -m perf.workload --adapters 100 --alpha 1 --rate "$rate" --cv 1 --duration 30 --vocab-range 4 128256 \
+  rate=$("$PYTHON" -c "print(round($SAT * $frac, 2))")
+  "$PYTHON" -m perf.workload --adapters 100 --alpha 1 --rate "$rate" --cv 1 --duration "$DURATION" \
+    --input-range "$IN_LO" "$IN_HI" --output-range "$OUT_LO" "$OUT_HI" --vocab-range 4 "$VOCAB" \
     --out "$OUT/trace_$frac.jsonl"
-  python -m perf.runner --trace "$OUT/trace_$frac.jsonl" --url 127.0.0.1:8001 --model generator \
-    --name "server_${frac}_of_saturation" --max-duration 90 --no-progress --out "$OUT"
+  $SERVE_PY -m perf.runner --trace "$OUT/trace_$frac.jsonl" --url "127.0.0.1:$GRPC_PORT" --model generator \
+    --name "server_${frac}_of_saturation" --max-duration $((DURATION * 3)) --no-progress --out "$OUT"
 done
 kill $SERVER; wait $SERVER 2>/dev/null
 cat "$OUT"/summary.md 2>/dev/null || ls "$OUT"
