@@ -21,11 +21,13 @@ the router (``mlp.gate``) are refused.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import mmap
 import os
 import re
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,6 +94,9 @@ class AdapterSpec:
         num_bytes: size of ``adapter_model.safetensors``.
         expert_ranks: (layer, expert parameter) -> rank per expert (MoE bases; "gate_up_proj" or "down_proj").
         expert_scaling: (layer, expert parameter) -> lora_alpha / r of that expert parameter.
+        file_stamp: (device, inode, size, mtime_ns, ctime_ns) of the weights file when it was hashed,
+            if it was unchanged during hashing and older than STAMP_MIN_AGE_S; a load finding the same
+            stamp skips re-hashing (any write to a file changes its ctime). None: always re-hash.
     """
 
     name: str
@@ -108,6 +113,7 @@ class AdapterSpec:
     num_bytes: int = 0
     expert_ranks: dict[tuple[int, str], int] = field(default_factory=dict, hash=False)
     expert_scaling: dict[tuple[int, str], float] = field(default_factory=dict, hash=False)
+    file_stamp: tuple[int, ...] | None = field(default=None, hash=False, compare=False)
 
     @property
     def weights_path(self) -> Path:
@@ -189,13 +195,27 @@ def parse_adapter_spec(name: str, path: str | Path, model_config: ModelConfig, m
             )
         raise AdapterError(name, f"{weights_path} not found")
     try:
+        before = weights_path.stat()
         sha256 = compute_sha256(weights_path)
-        num_bytes = weights_path.stat().st_size
+        after = weights_path.stat()
     except OSError as e:
         raise AdapterError(name, f"cannot read {weights_path}: {e}") from e
+    stamp = file_stamp(after)
+    settled = time.time_ns() - after.st_ctime_ns > STAMP_MIN_AGE_S * 1e9  # timestamps have coarse ticks
     header = _read_safetensors_header(name, weights_path)
     entries = _layout(name, header, model_config, max_lora_rank)
-    return _build_spec(name, adapter_dir, sha256, num_bytes, cfg, entries, model_config)
+    spec = _build_spec(name, adapter_dir, sha256, after.st_size, cfg, entries, model_config)
+    if file_stamp(before) == stamp and settled:
+        spec = dataclasses.replace(spec, file_stamp=stamp)
+    return spec
+
+
+STAMP_MIN_AGE_S = 2.0  # a file changed this recently is always re-hashed at load
+
+
+def file_stamp(st: os.stat_result) -> tuple[int, ...]:
+    """What changes whenever a file's bytes do (the kernel updates ctime on every write)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def load_adapter_weights(
@@ -204,11 +224,15 @@ def load_adapter_weights(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     pause: Callable[[], None] | None = None,
+    rehash: bool = False,
 ) -> LoraWeights:
     """Load an adapter's A/B tensors, checking bytes, shapes, ranks and values against ``spec``.
 
     ``pause`` (if given) is called before each module's tensors are checked: a loader thread
     waits there while the engine thread launches a step (backend/host_cache.py).
+
+    The file is hashed again unless its stamp (``AdapterSpec.file_stamp``) is unchanged since
+    registration, or always with ``rehash``.
 
     Raises :class:`AdapterError` when the file changed since registration (sha256 mismatch), a
     tensor's shape or rank disagrees with the base model or the spec, or a value is NaN/Inf.
@@ -216,10 +240,11 @@ def load_adapter_weights(
     name = spec.name
     weights_path = spec.weights_path
     try:
-        data = _map_file(weights_path)
+        data, stat = _map_file(weights_path)
     except (OSError, ValueError) as e:
         raise AdapterError(name, f"cannot read {weights_path}: {e}") from e
-    digest = hashlib.sha256(data).hexdigest()
+    unchanged = not rehash and spec.file_stamp is not None and file_stamp(stat) == spec.file_stamp
+    digest = spec.sha256 if unchanged else hashlib.sha256(data).hexdigest()
     if digest != spec.sha256:
         raise AdapterError(
             name,
@@ -525,14 +550,14 @@ def _build_spec(
     )
 
 
-def _map_file(path: Path):
+def _map_file(path: Path) -> tuple[object, os.stat_result]:
     """The file's bytes as a copy-on-write mapping (tensors can view it; hashing reads it in place,
-    without the GIL), or a bytearray for an empty file (which cannot be mapped)."""
+    without the GIL), or a bytearray for an empty file (which cannot be mapped); and its stat."""
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            return bytearray()
-        return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+        stat = os.fstat(f.fileno())
+        if stat.st_size == 0:
+            return bytearray(), stat
+        return mmap.mmap(f.fileno(), stat.st_size, access=mmap.ACCESS_COPY), stat
 
 
 def _all_finite(buf, tensors: Mapping[str, torch.Tensor]) -> bool:

@@ -34,6 +34,9 @@ class EngineConfig:
             unless the environment sets MANYLORA_ALLOW_RUNTIME_ADAPTERS=1 (as vLLM gates it).
         adapter_load_workers: threads that read, check and pack adapters from disk. More threads
             load faster but compete with the engine thread for the GIL.
+        rehash_adapters: hash every adapter file again at every load; by default a file whose
+            (device, inode, size, mtime, ctime) is unchanged since registration is not re-hashed
+            (any write changes its ctime), and one changed is hashed and refused on a mismatch.
         async_adapter_uploads: copy adapters from host memory into the pool on a worker thread (a
             side CUDA stream on a GPU) while steps go on; their requests join when the copy is done.
             Adapters of queued requests are also copied ahead into free pages.
@@ -69,6 +72,7 @@ class EngineConfig:
     adapter_load_workers: int = 2
     gil_switch_interval_us: int = 100
     async_adapter_uploads: bool = True
+    rehash_adapters: bool = False
     admit_every_steps: int = 1
 
     def __post_init__(self) -> None:

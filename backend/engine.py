@@ -113,7 +113,8 @@ class Engine:
         self.kv = PagedKVCache(self.pool)
         host = HostAdapterCache(cfg, self.dtype, self.pool.page_elems, config.max_lora_rank, config.max_cpu_loras,
                                 pin_memory=False, workers=config.adapter_load_workers,
-                                on_load=lambda name, seconds: self.observer.adapter_loaded(name, seconds))
+                                on_load=lambda name, seconds: self.observer.adapter_loaded(name, seconds),
+                                rehash=config.rehash_adapters)
         self.adapters = AdapterManager(self.catalogue, self.pool, host, self.device)
         self._log_pool()
         self.scheduler = Scheduler(self.kv, self.adapters, config.max_num_seqs, config.max_num_batched_tokens,

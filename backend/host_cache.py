@@ -32,7 +32,7 @@ log = logging.getLogger("manylora.host_cache")
 class HostAdapterCache:
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, page_elems: int, max_rank: int,
                  capacity: int | None, pin_memory: bool, workers: int = 2,
-                 on_load: Callable[[str, float], None] | None = None) -> None:
+                 on_load: Callable[[str, float], None] | None = None, rehash: bool = False) -> None:
         self.cfg = cfg
         self.dtype = dtype
         self.page_elems = page_elems
@@ -40,6 +40,7 @@ class HostAdapterCache:
         self.capacity = capacity
         self.pin_memory = pin_memory
         self.on_load = on_load
+        self.rehash = rehash
         self._lock = threading.Lock()
         self.launch_gate = threading.Event()  # open: loaders may run; the engine closes it while launching
         self.launch_gate.set()
@@ -93,7 +94,8 @@ class HostAdapterCache:
         t0 = time.perf_counter()
         try:
             pause = self.launch_gate.wait
-            weights = load_adapter_weights(spec, self.cfg, dtype=self.dtype, device="cpu", pause=pause)
+            weights = load_adapter_weights(spec, self.cfg, dtype=self.dtype, device="cpu", pause=pause,
+                                           rehash=self.rehash)
             packed = pack_adapter(weights, self.cfg, self.page_elems, self.max_rank, pin_memory=self.pin_memory,
                                   pause=pause)
         except AdapterError as e:

@@ -361,6 +361,39 @@ def test_load_refuses_changed_file(golden: Path, tmp_path: Path, mc: ModelConfig
         load_adapter_weights(spec, mc)
 
 
+def test_unchanged_file_is_not_rehashed_changed_one_is(golden: Path, tmp_path: Path, mc: ModelConfig,
+                                                      monkeypatch) -> None:
+    """A file whose stamp is unchanged since registration loads without hashing it again (unless asked);
+    one that changed is hashed and refused. Files changed within STAMP_MIN_AGE_S are always hashed."""
+    import backend.adapter as adapter_module
+
+    path = copy_of(golden, tmp_path)
+    fresh = parse_adapter_spec("fresh", path, mc, MAX_RANK)
+    assert fresh.file_stamp is None  # just written: its timestamps may not have ticked yet
+    monkeypatch.setattr(adapter_module, "STAMP_MIN_AGE_S", 0.0)
+    spec = parse_adapter_spec("settled", path, mc, MAX_RANK)
+    assert spec.file_stamp is not None
+    hashed = []
+    real = adapter_module.hashlib.sha256
+
+    def counting(data=b""):
+        hashed.append(len(data))
+        return real(data)
+
+    monkeypatch.setattr(adapter_module.hashlib, "sha256", counting)
+    load_adapter_weights(spec, mc)
+    assert hashed == []
+    load_adapter_weights(spec, mc, rehash=True)
+    assert len(hashed) == 1
+    load_adapter_weights(fresh, mc)
+    assert len(hashed) == 2
+    with open(path / "adapter_model.safetensors", "ab") as f:  # a changed file (its size differs)
+        f.write(b"\0" * 16)
+    with pytest.raises(AdapterError, match="'settled'.*changed since registration"):
+        load_adapter_weights(spec, mc)
+    assert len(hashed) == 3
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_load_refuses_non_finite(bad: float, golden: Path, tmp_path: Path, mc: ModelConfig) -> None:
     path = copy_of(golden, tmp_path)
