@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from backend.adapter import AdapterSpec
-from backend.adapter_manager import AdapterManager, Readiness
+from backend.adapter_manager import AdapterManager
 from backend.catalogue import AdapterCatalogue
 from backend.config import EngineConfig
 from backend.cuda_graphs import DecodeGraphs
@@ -378,14 +378,10 @@ class Engine:
             if not spec:
                 continue
             self.adapters.prefetch(spec)
-            if i >= upload_slots:
+            if i >= upload_slots or self.adapters.gpu.get(spec) is not None or not self.adapters.host.contains(spec):
                 continue
-            try:
-                ready = self.adapters.readiness(spec)
-            except AdapterError:
-                continue  # the scheduler hands the error to the request
             spare = self.kv.pages_needed(seq.num_tokens() + 1) + len(self.scheduler.running)
-            if ready is Readiness.HOST and pages.can_allocate(self.adapters.pages(spec) + spare):
+            if pages.can_allocate(self.adapters.pages(spec) + spare):
                 self.adapters.start_upload(spec)
 
     def step(self) -> bool:

@@ -78,6 +78,11 @@ class HostAdapterCache:
         self.request(spec)
         return None
 
+    def contains(self, spec: AdapterSpec) -> bool:
+        """Whether the adapter is loaded, without counting a hit or touching the LRU order."""
+        with self._lock:
+            return (spec.name, spec.sha256) in self._entries
+
     def wait(self, spec: AdapterSpec, timeout: float | None = None) -> PackedAdapter:
         """Block until the adapter is loaded (for tools and tests)."""
         self.request(spec)

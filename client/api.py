@@ -208,8 +208,7 @@ class ManyLoraClient:
                 if "triton_final_response" in params and params["triton_final_response"].bool_param:
                     return
         finally:
-            client.stop_stream(cancel_requests=True)
-            client.close()
+            close_client(client)
 
     def _post(self, path: str, body: dict) -> dict:
         request = urllib.request.Request(
@@ -225,6 +224,19 @@ class ManyLoraClient:
             raise ManyLoraError(text, str(e.code)) from None
         except urllib.error.URLError as e:
             raise ManyLoraError(f"cannot reach {self.http_url}: {e.reason}") from None
+
+
+def close_client(client: grpcclient.InferenceServerClient) -> None:
+    """Stop a tritonclient gRPC client's stream and close its channel, once.
+
+    tritonclient closes the channel again from ``__del__``; when that runs at interpreter exit under
+    gevent (locust), grpc's close can block forever (seen as a locust process that never exits).
+    """
+    try:
+        client.stop_stream(cancel_requests=True)
+    finally:
+        client.close()
+        client.close = lambda: None  # what __del__ calls
 
 
 def _message(error: Exception) -> str:

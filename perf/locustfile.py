@@ -97,8 +97,9 @@ class LlmUser(User):
 
     def on_stop(self) -> None:
         if self.grpc is not None:
-            self.grpc.stop_stream(cancel_requests=True)
-            self.grpc.close()
+            from client.api import close_client
+
+            close_client(self.grpc)
         if self.session is not None:
             self.session.close()
 
