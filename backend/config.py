@@ -28,6 +28,10 @@ class EngineConfig:
         max_queue_size: waiting requests beyond which new ones are refused (0: no limit).
         kernels: "auto" (Triton kernels for LoRA and decode attention on CUDA, torch on
             the CPU), "triton" or "torch".
+        prefill_attention: "sdpa" (each prefill chunk through torch's fused attention over its
+            gathered cache) or "paged" (prefill tokens join the decode rows in the paged-attention
+            kernel: one launch per layer for the whole step, no gathers; keys are re-read per query
+            token, so long prompts cost more). Kernel path only.
         cuda_graphs: replay decode steps from CUDA graphs (CUDA with Triton kernels only).
         warmup: compile the kernels for a spread of step sizes at startup (CUDA only).
         allow_runtime_adapters: accept load/unload/replace of adapters while serving; off
@@ -65,6 +69,7 @@ class EngineConfig:
     gpu_memory_fraction: float = 0.85
     max_queue_size: int = 0
     kernels: str = "auto"
+    prefill_attention: str = "sdpa"
     cuda_graphs: bool = True
     warmup: bool = True
     allow_runtime_adapters: bool = field(default_factory=lambda: _env_flag("MANYLORA_ALLOW_RUNTIME_ADAPTERS"))
@@ -81,6 +86,9 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.prefill_attention not in ("sdpa", "paged"):
+            raise ValueError(
+                f"EngineConfig.prefill_attention must be 'sdpa' or 'paged', got {self.prefill_attention!r}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError(f"EngineConfig.gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
 

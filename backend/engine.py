@@ -119,11 +119,12 @@ class Engine:
         self._log_pool()
         self.scheduler = Scheduler(self.kv, self.adapters, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_loras, config.admit_every_steps, config.async_adapter_uploads)
-        self.steps = StepBuilder(cfg, self.kv, self.adapters, self.device, self.use_kernels)
+        self.steps = StepBuilder(cfg, self.kv, self.adapters, self.device, self.use_kernels,
+                                 paged_prefill=config.prefill_attention == "paged")
         dense = not cfg.is_moe  # MoE routing is data-dependent: no graphs, eager warm-up not written yet
         if config.warmup and self.use_kernels and self.device.startswith("cuda") and dense:
             warm_up(self.model, self.kv, config.max_lora_rank, config.max_num_batched_tokens, config.max_num_seqs,
-                    max_len=self.max_len)
+                    max_len=self.max_len, paged_prefill=config.prefill_attention == "paged")
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graphs and self.use_kernels and self.device.startswith("cuda") and dense:
             self._capture_graphs()

@@ -19,11 +19,13 @@ class SequenceSlice:
 
 @dataclass
 class DecodeRows:
-    """Rows that are one new token of a sequence, attended in one paged-attention launch."""
+    """Rows attended in one paged-attention launch: decode tokens, and with prefill_attention="paged"
+    the tokens of prefill chunks too (each attends to its sequence's cache up to its own position)."""
 
     rows: torch.Tensor  # int64 [B]: batch rows
-    block_tables: torch.Tensor  # int32 [B, max_blocks]
-    seq_lens: torch.Tensor  # int32 [B]: context length including the new token
+    block_tables: torch.Tensor  # int32 [B, max_blocks], or [S, max_blocks] with table_rows
+    seq_lens: torch.Tensor  # int32 [B]: context length including the row's token (its position + 1)
+    table_rows: torch.Tensor | None = None  # int32 [B]: each row's sequence in block_tables (prefill rows)
 
 
 @dataclass

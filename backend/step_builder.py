@@ -42,13 +42,14 @@ class StepBuilder:
     """Turns a plan into a StepBatch (eager forward) or DecodeInputs (graph replay)."""
 
     def __init__(self, cfg: ModelConfig, kv: PagedKVCache, adapters: AdapterManager, device: str,
-                 use_kernels: bool) -> None:
+                 use_kernels: bool, paged_prefill: bool = False) -> None:
         self.cfg = cfg
         self.kv = kv
         self.pool = kv.pool
         self.adapters = adapters
         self.device = device
         self.use_kernels = use_kernels
+        self.paged_prefill = paged_prefill and use_kernels  # prefill chunks through the paged kernel
 
     def lora_batch(self, plan: list[ScheduledChunk]) -> LoraBatch | None:
         specs = distinct_specs(plan)
@@ -87,26 +88,31 @@ class StepBuilder:
     def step_batch(self, plan: list[ScheduledChunk], lists: StepLists) -> StepBatch:
         dev = self.device
         slices: list[SequenceSlice] = []
-        decode_rows: list[int] = []
-        decode_pages: list[list[int]] = []
-        decode_lens: list[int] = []
+        rows: list[int] = []
+        row_lens: list[int] = []
+        row_tables: list[int] = []  # paged prefill: each row's index into tables
+        tables: list[list[int]] = []
         window = self.cfg.sliding_window
         for c, row0, pages, end in zip(plan, lists.starts, lists.pages, lists.ends, strict=True):
-            if self.use_kernels and c.num_tokens == 1 and not (window and end > window):
-                decode_rows.append(row0)
-                decode_pages.append(pages)
-                decode_lens.append(end)
+            windowed = bool(window and end > window)  # the kernel has no window: torch attends these
+            if self.use_kernels and not windowed and (c.num_tokens == 1 or self.paged_prefill):
+                rows += range(row0, row0 + c.num_tokens)
+                row_lens += range(end - c.num_tokens + 1, end + 1)
+                row_tables += [len(tables)] * c.num_tokens
+                tables.append(pages)
             else:
                 table = torch.tensor(pages, dtype=torch.int64, device=dev)
                 slices.append(SequenceSlice(row0, c.num_tokens, end, table))
         decode = None
-        if decode_rows:
-            width = max(len(t) for t in decode_pages)
+        if rows:
+            width = max(len(t) for t in tables)
+            padded = [t + [0] * (width - len(t)) for t in tables]
+            per_sequence = len(tables) != len(rows)
             decode = DecodeRows(
-                rows=torch.tensor(decode_rows, dtype=torch.int64, device=dev),
-                block_tables=torch.tensor([t + [0] * (width - len(t)) for t in decode_pages], dtype=torch.int32,
-                                          device=dev),
-                seq_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
+                rows=torch.tensor(rows, dtype=torch.int64, device=dev),
+                block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+                seq_lens=torch.tensor(row_lens, dtype=torch.int32, device=dev),
+                table_rows=torch.tensor(row_tables, dtype=torch.int32, device=dev) if per_sequence else None,
             )
         return StepBatch(
             input_ids=torch.tensor(lists.ids, dtype=torch.int64, device=dev),

@@ -53,7 +53,7 @@ def synthetic_adapter(pool: UnifiedPool, rank: int, max_rank: int) -> PackedAdap
 
 @torch.inference_mode()
 def warm_up(model: LlamaModel, kv: PagedKVCache, max_rank: int, max_tokens: int, max_seqs: int,
-            sizes: list[int] | None = None, max_len: int | None = None) -> float:
+            sizes: list[int] | None = None, max_len: int | None = None, paged_prefill: bool = False) -> float:
     """Run the kernel path over step sizes; returns seconds spent. Leaves the pool as it found it.
 
     A prefill step of t tokens is one sequence, or several when t exceeds ``max_len`` (the
@@ -74,7 +74,7 @@ def warm_up(model: LlamaModel, kv: PagedKVCache, max_rank: int, max_tokens: int,
     try:
         for t in sizes:
             # prefill: t tokens in sequences of at most seq_cap (segmented kernels from 64 tokens up)
-            model.forward(_prefill_batch(kv, owner, t, seq_cap, device), kv,
+            model.forward(_prefill_batch(kv, owner, t, seq_cap, device, paged_prefill), kv,
                           LoraBatch([0] * t, [resident], pool.storage, device, use_kernels=True))
             pool.pages.free(owner)
             if t == SEGMENTED_MIN_TOKENS:
@@ -82,7 +82,7 @@ def warm_up(model: LlamaModel, kv: PagedKVCache, max_rank: int, max_tokens: int,
                 # and 32 tokens, each with its own slot
                 for seq_len in (16, 32):
                     token_slots = [row // seq_len for row in range(t)]
-                    model.forward(_prefill_batch(kv, owner, t, seq_len, device), kv,
+                    model.forward(_prefill_batch(kv, owner, t, seq_len, device, paged_prefill), kv,
                                   LoraBatch(token_slots, [resident] * (t // seq_len), pool.storage, device,
                                             use_kernels=True))
                     pool.pages.free(owner)
@@ -110,11 +110,12 @@ def warm_up(model: LlamaModel, kv: PagedKVCache, max_rank: int, max_tokens: int,
     return seconds
 
 
-def _prefill_batch(kv: PagedKVCache, owner: ReservedPage, num_tokens: int, seq_cap: int, device: str) -> StepBatch:
+def _prefill_batch(kv: PagedKVCache, owner: ReservedPage, num_tokens: int, seq_cap: int, device: str,
+                   paged: bool = False) -> StepBatch:
     """A prefill step of num_tokens tokens: sequences of seq_cap tokens (the last one shorter), pages
-    allocated to owner."""
+    allocated to owner; attended by torch per sequence, or (paged) as rows of the paged kernel."""
     page_size = kv.page_size
-    slices, slots, positions, last_rows = [], [], [], []
+    slices, slots, positions, last_rows, tables, table_rows = [], [], [], [], [], []
     row = 0
     while row < num_tokens:
         n = min(seq_cap, num_tokens - row)
@@ -122,9 +123,20 @@ def _prefill_batch(kv: PagedKVCache, owner: ReservedPage, num_tokens: int, seq_c
         slices.append(SequenceSlice(row, n, n, torch.tensor(pages, dtype=torch.int64, device=device)))
         slots += [pages[p // page_size] * page_size + p % page_size for p in range(n)]
         positions += range(n)
+        table_rows += [len(tables)] * n
+        tables.append(pages)
         row += n
         last_rows.append(row - 1)
+    decode = None
+    if paged:
+        width = max(len(t) for t in tables)
+        decode = DecodeRows(rows=torch.arange(num_tokens, device=device),
+                            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
+                                                      device=device),
+                            seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=device),
+                            table_rows=torch.tensor(table_rows, dtype=torch.int32, device=device))
+        slices = []
     return StepBatch(input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
                      positions=torch.tensor(positions, dtype=torch.int64, device=device),
                      kv_slots=torch.tensor(slots, dtype=torch.int64, device=device), sequences=slices,
-                     logits_rows=torch.tensor(last_rows, dtype=torch.int64, device=device))
+                     logits_rows=torch.tensor(last_rows, dtype=torch.int64, device=device), decode=decode)

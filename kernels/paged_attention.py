@@ -8,6 +8,12 @@ Token position t of sequence b lives in page ``block_tables[b, t // page_size]``
 
 One program per (sequence, kv head) handles all ``group`` query heads that share the kv head,
 so each K/V row is read once per sequence; online softmax in fp32, one pass over the sequence.
+
+With ``table_rows`` a query row reads the block table of another row index: the tokens of a
+prefill chunk then attend in the same launch, each as a "decode" of its own position (its
+seq_len is its position + 1, its table the chunk's sequence's), so a step's attention is one
+launch whatever its mix (no per-sequence gathers). Each query row reads its keys on its own;
+long prompts re-read them once per token (from L2 for the most part).
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ def _paged_decode_attention_kernel(
     # pointers
     q_ptr,  # [B, H, D]
     pool_ptr,  # flat pool
-    block_tables_ptr,  # int32 [B, max_blocks]
+    block_tables_ptr,  # int32 [S, max_blocks] (S = B without table_rows)
+    table_rows_ptr,  # int32 [B]: block-table row of each query row (read only with HAS_TABLE_ROWS)
     seq_lens_ptr,  # int32 [B]
     out_ptr,  # [B, H, D]
     # sizes
@@ -55,10 +62,12 @@ def _paged_decode_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_TABLE_ROWS: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
+    table_row = tl.load(table_rows_ptr + seq).to(tl.int64) if HAS_TABLE_ROWS else seq
 
     offs_g = tl.arange(0, BLOCK_G)
     g_mask = offs_g < GROUP
@@ -80,7 +89,7 @@ def _paged_decode_attention_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < seq_len
         pages = tl.load(
-            block_tables_ptr + seq * stride_btb + (offs_n // PAGE_SIZE) * stride_btn,
+            block_tables_ptr + table_row * stride_btb + (offs_n // PAGE_SIZE) * stride_btn,
             mask=n_mask,
             other=0,
         ).to(tl.int64)
@@ -129,17 +138,18 @@ def paged_decode_attention(
     num_layers: int,
     page_size: int,
     num_kv_heads: int,
+    table_rows: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Decode attention of one query token per sequence over a paged KV cache (GQA).
 
-    Semantics::
+    Semantics (``t = table_rows[b]`` when given, else ``t = b``)::
 
         kv = pool[: num_pages * page_elems].view(num_pages, num_layers, 2, page_size, num_kv_heads, d)
         group = n_heads // num_kv_heads
         for b in range(B):
             n = seq_lens[b]
-            pages = block_tables[b, : cdiv(n, page_size)]
+            pages = block_tables[t, : cdiv(n, page_size)]
             K = kv[pages, layer, 0].reshape(-1, num_kv_heads, d)[:n]      # [n, n_kv, d]
             V = kv[pages, layer, 1].reshape(-1, num_kv_heads, d)[:n]
             for h in range(n_heads):
@@ -149,14 +159,16 @@ def paged_decode_attention(
     Args:
         q: [B, n_heads, d], dtype of ``pool`` (fp16/bf16/fp32), any strides.
         pool: [P], 1-D contiguous flat pool; KV page p starts at element p * page_elems.
-        block_tables: int32 [B, max_blocks]: page of each block of page_size positions; entries
-            past cdiv(seq_lens[b], page_size) are not read.
+        block_tables: int32 [B, max_blocks] (or [S, max_blocks] with ``table_rows``): page of each
+            block of page_size positions; entries past cdiv(seq_lens[b], page_size) are not read.
         seq_lens: int32 [B]: tokens in the cache per sequence (the new token included), any
             mix of lengths; 0 gives a zero output row.
         scale: softmax scale (usually d ** -0.5).
         out: [B, n_heads, d], fp16/bf16/fp32, any strides. Modified in place (fully written).
         layer: the layer to read (0 <= layer < num_layers); not specialised on, no recompiles.
         num_layers, page_size, num_kv_heads: the KV page geometry (head_dim is q's last dim).
+        table_rows: optional int32 [B]: the block-table row each query row uses (several query
+            rows of one prefill chunk share their sequence's table; causality comes from seq_lens).
         config: optional block-size override (keys as returned by ``attention_config``).
 
     Returns:
@@ -171,8 +183,13 @@ def paged_decode_attention(
     check_tensor("block_tables", block_tables, dtype=torch.int32, dims=2, device=device)
     check_tensor("seq_lens", seq_lens, dtype=torch.int32, dims=1, device=device)
     check_tensor("out", out, dtype=FLOAT_DTYPES, dims=3, device=device)
-    if block_tables.shape[0] != batch:
-        raise ValueError(f"block_tables must have {batch} rows (batch of q), got shape {tuple(block_tables.shape)}")
+    if table_rows is None:
+        if block_tables.shape[0] != batch:
+            raise ValueError(f"block_tables must have {batch} rows (batch of q), got shape {tuple(block_tables.shape)}")
+    else:
+        check_tensor("table_rows", table_rows, dtype=torch.int32, dims=1, device=device)
+        if table_rows.shape[0] != batch:
+            raise ValueError(f"table_rows must have shape ({batch},), got {tuple(table_rows.shape)}")
     if seq_lens.shape[0] != batch:
         raise ValueError(f"seq_lens must have shape ({batch},), got {tuple(seq_lens.shape)}")
     if tuple(out.shape) != tuple(q.shape):
@@ -194,7 +211,7 @@ def paged_decode_attention(
     cfg = dict(config or attention_config(group, head_dim, page_size))
     grid = (batch, num_kv_heads)
     _paged_decode_attention_kernel[grid](
-        q, pool, block_tables, seq_lens, out,
+        q, pool, block_tables, seq_lens if table_rows is None else table_rows, seq_lens, out,
         layer, head_dim, float(scale) * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         block_tables.stride(0), block_tables.stride(1),
@@ -203,6 +220,7 @@ def paged_decode_attention(
         PAGE_SIZE=page_size,
         GROUP=group,
         DOT_PRECISION="ieee",
+        HAS_TABLE_ROWS=table_rows is not None,
         **cfg,
     )  # fmt: skip
     return out

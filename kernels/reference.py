@@ -115,6 +115,7 @@ def ref_paged_decode_attention(
     num_layers: int,
     page_size: int,
     num_kv_heads: int,
+    table_rows: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Reference of ``kernels.paged_attention.paged_decode_attention`` (``config`` ignored)."""
@@ -129,7 +130,8 @@ def ref_paged_decode_attention(
         if n == 0:
             out[b] = 0
             continue
-        pages = block_tables[b, : (n + page_size - 1) // page_size].long()
+        t = b if table_rows is None else int(table_rows[b])
+        pages = block_tables[t, : (n + page_size - 1) // page_size].long()
         k = kv[pages, layer, 0].reshape(-1, num_kv_heads, head_dim)[:n].float()  # [n, n_kv, d]
         v = kv[pages, layer, 1].reshape(-1, num_kv_heads, head_dim)[:n].float()
         k = k.repeat_interleave(group, dim=1)  # [n, n_heads, d]

@@ -196,14 +196,16 @@ class LlamaModel:
 
     def _decode_attention(self, q: torch.Tensor, out: torch.Tensor, layer: int, decode: DecodeRows,
                           kv: PagedKVCache) -> None:
-        """One new token per sequence, all in one paged-attention kernel launch."""
+        """The decode rows (one new token of a sequence, or a prefill token with paged prefill), all in
+        one paged-attention kernel launch."""
         from kernels.paged_attention import paged_decode_attention
 
         rows = decode.rows
         result = torch.empty((rows.numel(), self.cfg.num_heads, self.cfg.head_dim), dtype=q.dtype, device=q.device)
         paged_decode_attention(q.index_select(0, rows), kv.pool.storage, decode.block_tables, decode.seq_lens,
                                self.scale, result, layer=layer, num_layers=self.cfg.num_layers,
-                               page_size=kv.page_size, num_kv_heads=self.cfg.num_kv_heads)
+                               page_size=kv.page_size, num_kv_heads=self.cfg.num_kv_heads,
+                               table_rows=decode.table_rows)
         out.index_copy_(0, rows, result)
 
     def _sequence_attention(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor,

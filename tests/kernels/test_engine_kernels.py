@@ -19,9 +19,12 @@ from model_factory import assert_pool_drained, make_base, peft_greedy, write_ran
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_kernel_path_matches_peft(tmp_path, device, family):
-    extra = {"head_dim": 24} if family == "qwen3" else {}
+@pytest.mark.parametrize("family, prefill_attention", [("llama", "sdpa"), ("qwen3", "sdpa"), ("llama", "paged"),
+                                                        ("mistral", "paged")])
+def test_kernel_path_matches_peft(tmp_path, device, family, prefill_attention):
+    """Mixed adapters/ranks/base requests; prefill chunks through torch's attention or as rows of the
+    paged kernel (Mistral: its sliding window sends tokens past the window back to torch)."""
+    extra = {"qwen3": {"head_dim": 24}, "mistral": {"sliding_window": 10}}.get(family, {})
     base = make_base(tmp_path / "base", family, seed=31, **extra)
     rng = random.Random(family)
     adapters = {}
@@ -29,7 +32,7 @@ def test_kernel_path_matches_peft(tmp_path, device, family):
         adapters[f"a{i}"] = str(write_random_adapter(tmp_path / f"a{i}", base, rank=rank,
                                                      targets=rng.sample(ALL, rng.randint(1, 7)), seed=40 + i))
     engine = Engine(EngineConfig(model_dir=str(base), adapters=adapters, device=device, dtype="float32",
-                                 kernels="triton", max_lora_rank=16, page_size=8))
+                                 kernels="triton", max_lora_rank=16, page_size=8, prefill_attention=prefill_attention))
     try:
         names = [None, *adapters]
         cases = []
@@ -84,6 +87,8 @@ def test_warm_up_runs_the_kernel_path_and_gives_every_page_back(tmp_path, device
         # 130 tokens: more than the context (max_num_batched_tokens may exceed max_model_len), so several sequences
         assert warm_up(engine.model, engine.kv, 8, max_tokens=130, max_seqs=4, sizes=[1, 3, 63, 64, 130],
                        max_len=engine.max_len) > 0
+        assert warm_up(engine.model, engine.kv, 8, max_tokens=130, max_seqs=4, sizes=[5, 64, 130],
+                       max_len=engine.max_len, paged_prefill=True) > 0
         assert engine.pool.usage() == before
         engine.pool.pages.check()
         assert step_sizes(4096)[:16] == list(range(1, 17)) and step_sizes(4096)[-1] == 4096

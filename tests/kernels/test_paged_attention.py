@@ -125,3 +125,41 @@ def test_argument_errors(device):
         paged_decode_attention(q, pool, bt, lens, 1.0, out, **{**kw, "layer": 3})
     with pytest.raises(ValueError, match="out"):
         paged_decode_attention(q, pool, bt, lens, 1.0, out[:1], **kw)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_prefill_rows_share_their_sequence_table(device, group):
+    """Query rows of prefill chunks read their sequence's block table (table_rows) with causal
+    lengths (position + 1): the same as the reference, row by row."""
+    gen = torch.Generator().manual_seed(seed_of("table_rows", group))
+    contexts = [9, 40, 3]  # three sequences' cached lengths after the step
+    case = make_case(seed_of("table_rows", group, 1), contexts, num_kv_heads=2, group=group, head_dim=32, page_size=4)
+    rows, lens = [], []
+    for s, ctx in enumerate(contexts):  # each sequence's last few tokens are this step's queries
+        chunk = int(torch.randint(1, ctx + 1, (1,), generator=gen))
+        rows += [s] * chunk
+        lens += list(range(ctx - chunk + 1, ctx + 1))
+    rows += [1]  # and a decode-like row of sequence 1
+    lens += [40]
+    n = len(rows)
+    q = torch.randn(n, 2 * group, 32, generator=gen)
+    table_rows = torch.tensor(rows, dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    kw = {k: case[k] for k in ("layer", "num_layers", "page_size", "num_kv_heads")}
+    expected = torch.full(q.shape, float("nan"))
+    ref_paged_decode_attention(q, case["pool"], case["block_tables"], seq_lens, case["scale"], expected,
+                               table_rows=table_rows, **kw)
+    out = torch.full(q.shape, float("nan"), device=device)
+    paged_decode_attention(q.to(device), case["pool"].to(device), case["block_tables"].to(device),
+                           seq_lens.to(device), case["scale"], out, table_rows=table_rows.to(device), **kw)
+    torch.testing.assert_close(out.cpu(), expected, **TOL)
+    # and the reference itself agrees with plain causal attention over each sequence's gathered keys
+    page_elems = case["num_layers"] * 2 * 4 * 2 * 32
+    kv = case["pool"][: (case["pool"].numel() // page_elems) * page_elems].view(-1, case["num_layers"], 2, 4, 2, 32)
+    for i in range(n):
+        t, length = rows[i], lens[i]
+        pages = case["block_tables"][t, : (length + 3) // 4].long()
+        k = kv[pages, case["layer"], 0].reshape(-1, 2, 32)[:length].repeat_interleave(group, dim=1)
+        v = kv[pages, case["layer"], 1].reshape(-1, 2, 32)[:length].repeat_interleave(group, dim=1)
+        w = torch.softmax(torch.einsum("hd,nhd->hn", q[i], k) * case["scale"], dim=-1)
+        torch.testing.assert_close(expected[i], torch.einsum("hn,nhd->hd", w, v), **TOL)
