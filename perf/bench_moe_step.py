@@ -1,0 +1,250 @@
+"""Whole-model MoE decode step with LoRA on attention and experts: no LoRA / fused / unfused (GPU).
+
+    python -m perf.bench_moe_step                       # Qwen3-30B-A3B shape, on the GPU
+    python -m perf.bench_moe_step --shape tiny --device cpu --batches 2 --adapters 1 2   # smoke test
+
+Builds the MoE model (backend.models.moe.MoeModel) from random bf16 weights directly on the
+device (48 layers, 128 experts, top-8, hidden 2048, expert MLP 768, 32/4 heads of 128 for the
+Qwen3-30B-A3B shape), a unified pool, and ``max(adapters)`` synthetic rank-16 adapters resident in
+it (q/k/v/o of every layer and both expert parameters of every expert; random values). For each
+batch of decode tokens (each sequence with ``--context`` tokens cached) and each number of
+distinct adapters (round-robin over the tokens) it times one eager forward step (median of
+triton.testing.do_bench; MoE steps are not captured in CUDA graphs) of:
+
+  (a) the model without LoRA
+  (b) fused: the engine's kernel path (kernels.fused_moe_lora for the experts and their LoRA)
+  (c) unfused: the same grouped expert GEMMs (kernels.fused_moe), then each expert's LoRA delta in
+      torch, expert by expert (LoraBatch.apply_expert: the engine's own per-expert code)
+
+and prints step times, b/a, c/b, max |logits(b) - logits(c)| (the two LoRA paths agree) and
+max |logits(b) - logits(a)| (the adapters change the output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from backend.adapter_packing import PackedAdapter, _layout, num_module_slots
+from backend.adapter_pool import AdapterPool
+from backend.kv_cache import PagedKVCache
+from backend.lora_batch import LoraBatch
+from backend.model_config import ModelConfig
+from backend.models.moe import MoeLayerWeights, MoeModel
+from backend.sizing import synthetic_spec
+from backend.step_batch import DecodeRows, StepBatch
+from backend.unified_pool import UnifiedPool, page_elements
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    experts: int
+    top_k: int
+    expert_intermediate: int
+    vocab: int
+
+
+SHAPES = {
+    "qwen3-30b-a3b": MoeShape(48, 2048, 32, 4, 128, 128, 8, 768, 151936),
+    "tiny": MoeShape(2, 64, 4, 2, 16, 8, 2, 32, 300),
+}
+
+
+def write_config(out: Path, s: MoeShape) -> ModelConfig:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": s.vocab,
+        "hidden_size": s.hidden, "intermediate_size": 4 * s.hidden, "moe_intermediate_size": s.expert_intermediate,
+        "num_hidden_layers": s.layers, "num_attention_heads": s.heads, "num_key_value_heads": s.kv_heads,
+        "head_dim": s.head_dim, "num_experts": s.experts, "num_experts_per_tok": s.top_k, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "hidden_act": "silu", "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+        "bos_token_id": 0, "eos_token_id": 1,
+    }))  # fmt: skip
+    return ModelConfig.from_dir(out)
+
+
+def random_model(cfg: ModelConfig, s: MoeShape, device: str, dtype: torch.dtype, max_len: int) -> MoeModel:
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rnd(*shape: int, fan_in: int | None = None) -> torch.Tensor:
+        t = torch.randn(*shape, generator=gen, device=device, dtype=torch.float32)
+        return t.mul_((fan_in or shape[-1]) ** -0.5).to(dtype)
+
+    q_out, kv_out = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    t = {"model.embed_tokens.weight": rnd(s.vocab, s.hidden, fan_in=1), "model.norm.weight": torch.ones(
+        s.hidden, device=device, dtype=dtype), "lm_head.weight": rnd(s.vocab, s.hidden)}
+    for i in range(s.layers):
+        p = f"model.layers.{i}."
+        t.update({
+            p + "input_layernorm.weight": torch.ones(s.hidden, device=device, dtype=dtype),
+            p + "post_attention_layernorm.weight": torch.ones(s.hidden, device=device, dtype=dtype),
+            p + "self_attn.q_proj.weight": rnd(q_out, s.hidden), p + "self_attn.k_proj.weight": rnd(kv_out, s.hidden),
+            p + "self_attn.v_proj.weight": rnd(kv_out, s.hidden), p + "self_attn.o_proj.weight": rnd(s.hidden, q_out),
+            p + "self_attn.q_norm.weight": torch.ones(s.head_dim, device=device, dtype=dtype),
+            p + "self_attn.k_norm.weight": torch.ones(s.head_dim, device=device, dtype=dtype),
+            p + "mlp.gate.weight": rnd(s.experts, s.hidden),
+            p + "mlp.experts.gate_up_proj": rnd(s.experts, 2 * s.expert_intermediate, s.hidden),
+            p + "mlp.experts.down_proj": rnd(s.experts, s.hidden, s.expert_intermediate),
+        })  # fmt: skip
+    model = MoeModel(cfg, t, max_len, device, dtype)
+    model.use_kernels = True
+    return model
+
+
+def synthetic_adapters(pool: UnifiedPool, cfg: ModelConfig, count: int, rank: int, device: str) -> list:
+    """``count`` random rank-``rank`` adapters (attention projections + experts) resident in the pool."""
+    gpu = AdapterPool(pool, device)
+    gen = torch.Generator(device=device).manual_seed(1)
+    spec = synthetic_spec(cfg, rank)
+    num_pages, rows = _layout(spec, cfg, pool.page_elems)  # the same layout for every adapter
+    slots = num_module_slots(cfg)
+    index = torch.tensor([r[:4] for r in rows], dtype=torch.int64)
+    offsets = torch.full((cfg.num_layers, slots, 2, rank), -1, dtype=torch.int64)
+    offsets[index[:, 0], index[:, 1], index[:, 2], index[:, 3]] = torch.tensor([r[4] for r in rows])
+    ranks = torch.zeros((cfg.num_layers, slots), dtype=torch.int32)
+    ranks[index[:, 0], index[:, 1]] = rank
+    scalings = torch.where(ranks > 0, 2.0, 0.0)
+    residents = []
+    for n in range(count):
+        data = torch.randn(num_pages, pool.page_elems, generator=gen, device=device).mul_(0.02).to(pool.storage.dtype)
+        packed = PackedAdapter(replace(spec, name=f"s{n}", sha256=f"{n:064x}"), data, offsets, ranks, scalings)
+        residents.append(gpu.upload(packed))
+        del data
+    return residents
+
+
+def unfused_experts(model: MoeModel):
+    """A replacement for MoeModel._fused_experts: the grouped expert GEMMs of kernels.fused_moe, with each
+    expert's LoRA delta added in torch between them (gate_up before the activation, down before the
+    routing-weighted sum)."""
+    from kernels.fused_moe import fused_moe_gemm, moe_gemm_config, moe_reduce, silu_and_mul
+    from kernels.moe_align import moe_align_block_size
+
+    cfg = model.cfg
+    E, K, H, inter = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+
+    def run(x: torch.Tensor, i: int, w: MoeLayerWeights, lora: LoraBatch | None, top_w: torch.Tensor,
+            top_ids: torch.Tensor) -> torch.Tensor:
+        num_pairs = x.shape[0] * K
+        ids = top_ids.to(torch.int32)
+        cfg13, cfg2 = moe_gemm_config(num_pairs, E, 2 * inter, H), moe_gemm_config(num_pairs, E, H, inter)
+        align = moe_align_block_size(ids, E, cfg13["BLOCK_M"])
+        c13 = torch.empty(num_pairs, 2 * inter, dtype=x.dtype, device=x.device)
+        fused_moe_gemm(x, w.experts_gate_up, c13, align, rows_div=K, config=cfg13)
+        flat = ids.reshape(-1).long()
+        pair_tokens = torch.arange(num_pairs, device=x.device) // K
+        experts = flat.unique().tolist() if lora is not None and lora.has_expert_lora(i) else []
+        sel_of = {e: torch.nonzero(flat == e).flatten() for e in experts}
+        for e, sel in sel_of.items():
+            part = c13.index_select(0, sel)
+            lora.apply_expert(x.index_select(0, pair_tokens[sel]), part, pair_tokens[sel], i, e, 0)
+            c13.index_copy_(0, sel, part)
+        h = silu_and_mul(c13)
+        c2 = torch.empty(num_pairs, H, dtype=x.dtype, device=x.device)
+        fused_moe_gemm(h, w.experts_down, c2, align, rows_div=1, config=cfg2)
+        for e, sel in sel_of.items():
+            part = c2.index_select(0, sel)
+            lora.apply_expert(h.index_select(0, sel), part, pair_tokens[sel], i, e, 1)
+            c2.index_copy_(0, sel, part)
+        c2 = c2 * top_w.reshape(-1, 1).to(c2.dtype)
+        return moe_reduce(c2, x.shape[0], K, x.dtype)
+
+    return run
+
+
+def decode_batch(kv: PagedKVCache, tables: list[list[int]], context: int, vocab: int, device: str) -> StepBatch:
+    n = len(tables)
+    page_size = kv.page_size
+    last = context - 1
+    slots = [t[last // page_size] * page_size + last % page_size for t in tables]
+    rows = torch.arange(n, device=device)
+    return StepBatch(
+        input_ids=torch.randint(4, vocab, (n,), device=device), positions=torch.full((n,), last, device=device),
+        kv_slots=torch.tensor(slots, device=device), sequences=[], logits_rows=rows,
+        decode=DecodeRows(rows=rows, block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+                          seq_lens=torch.full((n,), context, dtype=torch.int32, device=device)))  # fmt: skip
+
+
+def timer(device: str):
+    if device.startswith("cuda"):
+        import triton.testing
+
+        return lambda fn: triton.testing.do_bench(fn, warmup=3, rep=30, return_mode="median")
+
+    def once(fn) -> float:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+
+    return once
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    p.add_argument("--adapters", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=16)
+    a = p.parse_args(argv)
+    s = SHAPES[a.shape]
+    device = a.device
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="manylora-moe-step-") as tmp:
+        cfg = write_config(Path(tmp), s)
+    model = random_model(cfg, s, device, dtype, max_len=a.context + 8)
+    page_size = a.page_size
+    seq_pages = -(-a.context // page_size)
+    adapter_pages = _layout(synthetic_spec(cfg, a.rank), cfg, page_elements(cfg, page_size))[0]
+    num_pages = max(a.batches) * seq_pages + max(a.adapters) * adapter_pages + 1
+    pool = UnifiedPool(cfg, num_pages, page_size, dtype, device)
+    kv = PagedKVCache(pool)
+    residents = synthetic_adapters(pool, cfg, max(a.adapters), a.rank, device)
+    tables = [pool.pages.allocate(f"seq{b}", seq_pages) for b in range(max(a.batches))]
+    kv_pages = [page for t in tables for page in t]  # allocated one after another: one range
+    pool.storage[min(kv_pages) * pool.page_elems:(max(kv_pages) + 1) * pool.page_elems].normal_(0, 1)
+    bench, fused, unfused = timer(device), model._fused_experts, unfused_experts(model)
+    gb = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
+    print(f"{gb}: {a.shape} ({s.layers} layers, {s.experts} experts top-{s.top_k}, hidden {s.hidden}, "
+          f"expert MLP {s.expert_intermediate}), {dtype}, rank-{a.rank} adapters on q/k/v/o and every expert, "
+          f"context {a.context}; model and adapters built in {time.time() - t0:.0f} s")
+    head = f"{'batch':>5} {'adapters':>8} | {'(a) base':>9} {'(b) fused':>9} {'(c) unfused':>11} | {'b/a':>5} " \
+           f"{'c/b':>5} | {'max|b-c|':>8} {'max|b-a|':>8}"
+    print("step times in ms (median, eager)\n" + head + "\n" + "-" * len(head))
+    for batch in a.batches:
+        step = decode_batch(kv, tables[:batch], a.context, s.vocab, device)
+        for n in a.adapters:
+            lora = LoraBatch([i % n for i in range(batch)], residents[:n], pool.storage, device, use_kernels=True)
+            model._fused_experts = fused
+            logits_b = model.forward(step, kv, lora)
+            logits_a = model.forward(step, kv, None)
+            tb = bench(lambda step=step, lora=lora: model.forward(step, kv, lora))
+            ta = bench(lambda step=step: model.forward(step, kv, None))
+            model._fused_experts = unfused
+            logits_c = model.forward(step, kv, lora)
+            tc = bench(lambda step=step, lora=lora: model.forward(step, kv, lora))
+            model._fused_experts = fused
+            diff = (logits_b - logits_c).abs().max().item()
+            lora_effect = (logits_b - logits_a).abs().max().item()  # the LoRA deltas are not negligible
+            print(f"{batch:>5} {min(n, batch):>8} | {ta:>9.2f} {tb:>9.2f} {tc:>11.2f} | {tb / ta:>5.2f} "
+                  f"{tc / tb:>5.1f} | {diff:>8.2e} {lora_effect:>8.2e}", flush=True)
+    print(f"total wall time {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
