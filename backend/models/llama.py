@@ -38,6 +38,7 @@ class LayerWeights:
     down_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
+    qk_norm: torch.Tensor | None = None  # [num_heads + num_kv_heads, head_dim]: q_norm per q head, then k_norm
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -101,7 +102,7 @@ class LlamaModel:
             return None if parts[0] is None else torch.cat(parts, dim=0)
 
         attn, mlp = p + "self_attn.", p + "mlp."
-        return LayerWeights(
+        w = LayerWeights(
             input_norm=take(p + "input_layernorm.weight"),
             post_attention_norm=take(p + "post_attention_layernorm.weight"),
             qkv=stacked(attn, QKV, "weight"),
@@ -115,13 +116,17 @@ class LlamaModel:
             q_norm=take(attn + "q_norm.weight"),
             k_norm=take(attn + "k_norm.weight"),
         )
+        if w.q_norm is not None and w.k_norm is not None:  # one norm call over the q and k heads together
+            cfg = self.cfg
+            w.qk_norm = torch.cat([w.q_norm.expand(cfg.num_heads, -1), w.k_norm.expand(cfg.num_kv_heads, -1)])
+        return w
 
     def weight_bytes(self) -> int:
         """Bytes of every weight tensor held (each counted once: tied embeddings share)."""
         seen, total = set(), 0
         tensors = [self.embed, self.lm_head, self.final_norm]
         for w in self.layers:
-            tensors += [getattr(w, f.name) for f in dataclasses.fields(w)]
+            tensors += [getattr(w, f.name) for f in dataclasses.fields(w) if f.name != "qk_norm"]  # derived
         for t in tensors:
             if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
@@ -169,16 +174,14 @@ class LlamaModel:
         qkv = F.linear(x, w.qkv, w.qkv_bias)
         if lora is not None:
             lora.apply(x, qkv, i, QKV, (q_out, kv_out, kv_out))
-        q, k, v = qkv.split((q_out, kv_out, kv_out), dim=-1)
-        q = q.reshape(T, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-        if w.q_norm is not None:
-            q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
+        # q and k heads side by side ([T, nh + nkv, d], a view of qkv): one norm and one rotation for both
+        qk = qkv[:, : q_out + kv_out].view(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+        v = qkv[:, q_out + kv_out:].view(T, cfg.num_kv_heads, cfg.head_dim)
+        if w.qk_norm is not None:
+            qk = rms_norm(qk, w.qk_norm, cfg.rms_norm_eps)
         table = (batch.rope_cos, batch.rope_sin) if batch.rope_cos is not None else None
-        q = self.rope.apply(q, batch.positions, table)
-        k = self.rope.apply(k, batch.positions, table)
+        qk = self.rope.apply(qk, batch.positions, table)
+        q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads:]
         located = (batch.kv_pages, batch.kv_offsets) if batch.kv_pages is not None else None
         kv.write(i, batch.kv_slots, k, v, located)
         out = torch.empty_like(q)
