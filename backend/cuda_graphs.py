@@ -76,7 +76,7 @@ class DecodeGraphs:
             input_ids=self.input_ids[:size], positions=self.positions[:size], kv_slots=self.kv_slots[:size],
             sequences=[], logits_rows=self.rows[:size],
             decode=DecodeRows(rows=self.rows[:size], block_tables=self.block_tables[:size],
-                              seq_lens=self.seq_lens[:size]))
+                              seq_lens=self.seq_lens[:size], all_rows=True))
 
     def _lora(self, size: int) -> LoraBatch:
         return LoraBatch.from_tables(self.token_slots[:size], self.row_offsets, self.ranks, self.scalings,

@@ -26,6 +26,7 @@ class DecodeRows:
     block_tables: torch.Tensor  # int32 [B, max_blocks], or [S, max_blocks] with table_rows
     seq_lens: torch.Tensor  # int32 [B]: context length including the row's token (its position + 1)
     table_rows: torch.Tensor | None = None  # int32 [B]: each row's sequence in block_tables (prefill rows)
+    all_rows: bool = False  # rows is every row of the step in order (0..T-1): no gather or scatter needed
 
 
 @dataclass

@@ -113,6 +113,7 @@ class StepBuilder:
                 block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
                 seq_lens=torch.tensor(row_lens, dtype=torch.int32, device=dev),
                 table_rows=torch.tensor(row_tables, dtype=torch.int32, device=dev) if per_sequence else None,
+                all_rows=not slices,  # every chunk went to the kernel: its rows are 0..T-1 in order
             )
         return StepBatch(
             input_ids=torch.tensor(lists.ids, dtype=torch.int64, device=dev),

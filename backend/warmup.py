@@ -96,7 +96,8 @@ def warm_up(model: LlamaModel, kv: PagedKVCache, max_rank: int, max_tokens: int,
                               positions=torch.zeros(t, dtype=torch.int64, device=device),
                               kv_slots=page_t.long() * kv.page_size, sequences=[], logits_rows=rows,
                               decode=DecodeRows(rows=rows, block_tables=page_t[:, None].contiguous(),
-                                                seq_lens=torch.ones(t, dtype=torch.int32, device=device)))
+                                                seq_lens=torch.ones(t, dtype=torch.int32, device=device),
+                                                all_rows=True))
             slots_t = [0 if i % 2 == 0 else -1 for i in range(t)]
             model.forward(batch, kv, LoraBatch(slots_t, [resident], pool.storage, device, use_kernels=True))
             pool.pages.free(owner)
@@ -134,7 +135,7 @@ def _prefill_batch(kv: PagedKVCache, owner: ReservedPage, num_tokens: int, seq_c
                             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
                                                       device=device),
                             seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=device),
-                            table_rows=torch.tensor(table_rows, dtype=torch.int32, device=device))
+                            table_rows=torch.tensor(table_rows, dtype=torch.int32, device=device), all_rows=True)
         slices = []
     return StepBatch(input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
                      positions=torch.tensor(positions, dtype=torch.int64, device=device),

@@ -174,7 +174,8 @@ def decode_batch(kv: PagedKVCache, tables: list[list[int]], context: int, vocab:
         input_ids=torch.randint(4, vocab, (n,), device=device), positions=torch.full((n,), last, device=device),
         kv_slots=torch.tensor(slots, device=device), sequences=[], logits_rows=rows,
         decode=DecodeRows(rows=rows, block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
-                          seq_lens=torch.full((n,), context, dtype=torch.int32, device=device)))  # fmt: skip
+                          seq_lens=torch.full((n,), context, dtype=torch.int32, device=device),
+                          all_rows=True))  # fmt: skip
 
 
 def timer(device: str):

@@ -184,7 +184,7 @@ class LlamaModel:
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads:]
         located = (batch.kv_pages, batch.kv_offsets) if batch.kv_pages is not None else None
         kv.write(i, batch.kv_slots, k, v, located)
-        out = torch.empty_like(q)
+        out = torch.empty((T, cfg.num_heads, cfg.head_dim), dtype=q.dtype, device=q.device)
         if batch.decode is not None:
             self._decode_attention(q, out, i, batch.decode, kv)
         for seq in batch.sequences:
@@ -203,12 +203,16 @@ class LlamaModel:
         one paged-attention kernel launch."""
         from kernels.paged_attention import paged_decode_attention
 
+        geometry = dict(layer=layer, num_layers=self.cfg.num_layers, page_size=kv.page_size,
+                        num_kv_heads=self.cfg.num_kv_heads, table_rows=decode.table_rows)
+        if decode.all_rows:  # every row of the step, in order: read q and write out in place
+            paged_decode_attention(q, kv.pool.storage, decode.block_tables, decode.seq_lens, self.scale, out,
+                                   **geometry)
+            return
         rows = decode.rows
         result = torch.empty((rows.numel(), self.cfg.num_heads, self.cfg.head_dim), dtype=q.dtype, device=q.device)
         paged_decode_attention(q.index_select(0, rows), kv.pool.storage, decode.block_tables, decode.seq_lens,
-                               self.scale, result, layer=layer, num_layers=self.cfg.num_layers,
-                               page_size=kv.page_size, num_kv_heads=self.cfg.num_kv_heads,
-                               table_rows=decode.table_rows)
+                               self.scale, result, **geometry)
         out.index_copy_(0, rows, result)
 
     def _sequence_attention(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor,
