@@ -13,7 +13,7 @@ import torch
 
 from kernels.lora_meta import SegmentMeta
 
-__all__ = ["ref_lora_shrink", "ref_lora_expand", "ref_paged_decode_attention"]
+__all__ = ["ref_lora_shrink", "ref_lora_expand", "ref_paged_decode_attention", "ref_add_rms_norm"]
 
 
 def _gather_rows(pool: torch.Tensor, offsets: torch.Tensor, length: int) -> torch.Tensor:
@@ -235,3 +235,12 @@ def ref_fused_moe_lora(
         lora_delta13=make_delta(a13, b13, hidden, width13),
         lora_delta2=make_delta(a2_offsets.unsqueeze(0), b2_offsets.unsqueeze(0), inter, hidden),
     )  # fmt: skip
+
+
+def ref_add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of ``kernels.add_rms_norm.add_rms_norm``: Hugging Face's LlamaRMSNorm after the add."""
+    s = x + delta if delta is not None else x
+    xf = s.float()
+    out = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return out, s

@@ -70,7 +70,13 @@ def weight_names(cfg: ModelConfig) -> set[str]:
 
 
 class LlamaModel:
-    """Weights on one device and a forward pass over a flat batch of tokens."""
+    """Weights on one device and a forward pass over a flat batch of tokens.
+
+    ``use_kernels`` (set by the engine on its kernel path) runs the residual add + RMSNorm as one
+    Triton kernel; the decode attention kernel is chosen by the batch (``StepBatch.decode``).
+    """
+
+    use_kernels: bool = False
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], max_len: int, device: str,
                  dtype: torch.dtype) -> None:
@@ -137,16 +143,28 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, batch: StepBatch, kv: PagedKVCache, lora: LoraBatch | None) -> torch.Tensor:
         """Run the step; returns float32 logits [len(batch.logits_rows), vocab]."""
-        cfg = self.cfg
         self.prepare_step(batch, kv)
         h = self.embed[batch.input_ids]
+        x, _ = self._add_norm(h, None, self.layers[0].input_norm)
         for i, w in enumerate(self.layers):
-            x = rms_norm(h, w.input_norm, cfg.rms_norm_eps)
-            h = h + self._attention(x, i, w, batch, kv, lora)
-            x = rms_norm(h, w.post_attention_norm, cfg.rms_norm_eps)
-            h = h + self._mlp(x, i, w, lora)
-        h = rms_norm(h.index_select(0, batch.logits_rows), self.final_norm, cfg.rms_norm_eps)
+            x, h = self._add_norm(h, self._attention(x, i, w, batch, kv, lora), w.post_attention_norm)
+            delta = self._mlp(x, i, w, lora)
+            if i + 1 < len(self.layers):  # the next layer's input norm, with this residual add
+                x, h = self._add_norm(h, delta, self.layers[i + 1].input_norm)
+            else:
+                h = h + delta
+        h = rms_norm(h.index_select(0, batch.logits_rows), self.final_norm, self.cfg.rms_norm_eps)
         return F.linear(h, self.lm_head).float()
+
+    def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None,
+                  weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(h + delta) * weight, h + delta): one Triton kernel on the kernel path."""
+        if self.use_kernels:
+            from kernels.add_rms_norm import add_rms_norm
+
+            return add_rms_norm(h, delta, weight, self.cfg.rms_norm_eps)
+        h = h + delta if delta is not None else h
+        return rms_norm(h, weight, self.cfg.rms_norm_eps), h
 
     def _mlp(self, x: torch.Tensor, i: int, w: LayerWeights, lora: LoraBatch | None) -> torch.Tensor:
         """Layer i's SwiGLU MLP with its LoRA (subclasses replace it: MoeModel routes to experts)."""
