@@ -46,7 +46,7 @@ class AdapterManager:
         entry = self.gpu.get(spec)
         if entry is not None:
             return Readiness.RESIDENT if entry.ready() else Readiness.UPLOADING
-        return Readiness.HOST if self.host.get(spec) is not None else Readiness.LOADING
+        return Readiness.HOST if self.host.is_loaded(spec) else Readiness.LOADING
 
     def pages_to_admit(self, spec: AdapterSpec) -> int:
         return 0 if self.gpu.get(spec) is not None else self.pages(spec)

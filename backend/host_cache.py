@@ -83,6 +83,19 @@ class HostAdapterCache:
         with self._lock:
             return (spec.name, spec.sha256) in self._entries
 
+    def is_loaded(self, spec: AdapterSpec) -> bool:
+        """Whether the adapter is loaded; raises its AdapterError if loading failed; starts a load if none
+        runs. A check, not a use: no hit is counted (``get`` counts one when the adapter is taken)."""
+        key = (spec.name, spec.sha256)
+        with self._lock:
+            if key in self._entries:
+                return True
+            error = self._errors.get(key)
+        if error is not None:
+            raise error
+        self.request(spec)
+        return False
+
     def wait(self, spec: AdapterSpec, timeout: float | None = None) -> PackedAdapter:
         """Block until the adapter is loaded (for tools and tests)."""
         self.request(spec)

@@ -93,12 +93,16 @@ class Scheduler:
     def _admit(self, plan: list[ScheduledChunk], budget: int) -> list[tuple[Sequence, AdapterError]]:
         failed: list[tuple[Sequence, AdapterError]] = []
         active = self.pinned_adapters()
+        not_ready: set[tuple[str, str]] = set()  # adapters found loading or uploading in this pass
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
             spec = seq.spec
             adapter_pages = 0
             if spec is not None:
+                if seq.adapter_key in not_ready:  # many queued requests share an adapter: ask once
+                    i += 1
+                    continue
                 try:
                     ready = self.adapters.readiness(spec)
                 except AdapterError as e:
@@ -106,6 +110,7 @@ class Scheduler:
                     failed.append((seq, e))
                     continue
                 if ready in (Readiness.LOADING, Readiness.UPLOADING):
+                    not_ready.add(seq.adapter_key)
                     i += 1
                     continue
                 if seq.adapter_key not in active and len(active) >= self.max_loras:
@@ -118,6 +123,7 @@ class Scheduler:
             if spec is not None:
                 if self.async_uploads and ready is Readiness.HOST:
                     self.adapters.start_upload(spec)  # joins once the copy is done
+                    not_ready.add(seq.adapter_key)
                     i += 1
                     continue
                 self.adapters.make_resident(spec)

@@ -169,6 +169,24 @@ def test_loaders_wait_at_the_launch_gate(base, tmp_path):
         cache.shutdown()
 
 
+def test_readiness_checks_are_not_host_cache_hits(base, tmp_path):
+    """The scheduler asks every step whether queued adapters are loaded; only taking one counts a hit."""
+    cfg = ModelConfig.from_dir(base)
+    spec = parse_adapter_spec("h", write_random_adapter(tmp_path / "h", base, rank=2, targets=ALL, seed=4), cfg, 16)
+    cache = HostAdapterCache(cfg, torch.float32, 4096, 16, capacity=None, pin_memory=False, workers=1)
+    try:
+        assert cache.is_loaded(spec) in (False, True)  # starts the load
+        cache.wait(spec, timeout=30)
+        hits = cache.stats()["host_hits"]
+        for _ in range(10):
+            assert cache.is_loaded(spec)
+        assert cache.stats()["host_hits"] == hits and cache.stats()["host_misses"] == 1
+        assert cache.get(spec) is not None
+        assert cache.stats()["host_hits"] == hits + 1
+    finally:
+        cache.shutdown()
+
+
 def test_two_thousand_adapters_power_law_small_pool_matches_peft(base, tmp_path):
     """S-LoRA's workload shape on CPU: 2,000 adapters, alpha=1 popularity, a pool that holds few at once."""
     from peft import PeftModel
