@@ -94,7 +94,8 @@ class AdapterPool:
             if self._stream is None:
                 self._stream = torch.cuda.Stream(device=self.device)
             after = torch.cuda.Event()
-            after.record()  # pages just freed may still be read by launched work: copy after it
+            after.record(torch.cuda.current_stream(self.device))  # pages just freed may still be read by
+            # work already launched: the copy waits for it
             entry.copied = torch.cuda.Event()
         entry.copy = self._copier.submit(self._copy, packed, page_ids, after, entry.copied)
         return entry
@@ -119,7 +120,7 @@ class AdapterPool:
         if after is None:
             storage.index_copy_(0, page_ids.to(self.device), packed.data.to(self.device, non_blocking=True))
             return
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.device(self._stream.device), torch.cuda.stream(self._stream):
             self._stream.wait_event(after)
             data = packed.data.to(self.device, non_blocking=True)
             storage.index_copy_(0, page_ids.to(self.device, non_blocking=True), data)

@@ -58,6 +58,17 @@ def resolve_device(name: str) -> str:
     return name
 
 
+def instance_device(requested: str, instance_kind: str = "", device_id: str | int | None = None) -> str:
+    """The device for a Triton model instance's engine: ``requested`` unless it is "auto"; else the
+    GPU Triton placed the instance on (instance_group KIND_GPU: one engine, one pool per GPU); else
+    "auto" as resolve_device reads it (cuda if torch sees one)."""
+    if requested and requested != "auto":
+        return requested
+    if instance_kind == "GPU" and device_id not in (None, ""):
+        return f"cuda:{int(device_id)}"
+    return "auto"
+
+
 def resolve_kernels(name: str, device: str) -> bool:
     """Whether LoRA and decode attention run as Triton kernels ("auto": on CUDA only)."""
     if name not in ("auto", "triton", "torch"):
@@ -317,6 +328,8 @@ class Engine:
 
     # ------------------------------------------------------------------- loop
     def _loop(self) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(self.device))  # the current device is per thread
         while not self._stopping.is_set():
             self._drain_inbox()
             self._drop_cancelled()

@@ -177,3 +177,15 @@ def test_queue_limit_refuses_with_unavailable(tmp_path):
         assert err.value.code is ErrorCode.UNAVAILABLE and "max_queue_size" in err.value.message
     finally:
         eng.shutdown()
+
+
+def test_instance_device_follows_triton_placement():
+    """A KIND_GPU instance's engine runs on the GPU Triton placed it on, unless the device is set."""
+    from backend.engine import instance_device
+
+    assert instance_device("auto", "GPU", "2") == "cuda:2"
+    assert instance_device("", "GPU", 0) == "cuda:0"
+    assert instance_device("cuda:1", "GPU", "3") == "cuda:1"  # an explicit parameter wins
+    assert instance_device("cpu", "GPU", "3") == "cpu"
+    assert instance_device("auto", "MODEL", "0") == "auto"  # KIND_MODEL: the engine decides
+    assert instance_device("auto", "CPU", None) == "auto"

@@ -25,7 +25,7 @@ from generator_metrics import close as close_metrics
 
 from backend.catalogue import load_catalogue_file
 from backend.config import EngineConfig
-from backend.engine import Engine
+from backend.engine import Engine, instance_device
 from backend.errors import ErrorCode, RequestError
 from backend.request import GenerationOutput
 from backend.request_parsing import parse_control, parse_generation
@@ -63,12 +63,13 @@ def _parameters(parameters: dict) -> dict[str, str]:
     return values
 
 
-def engine_config(parameters: dict) -> EngineConfig:
-    """config.pbtxt parameters -> EngineConfig; empty values keep the engine's defaults."""
+def engine_config(parameters: dict, instance_kind: str = "", device_id: str | int | None = None) -> EngineConfig:
+    """config.pbtxt parameters (and the instance's placement) -> EngineConfig; empty values keep the
+    engine's defaults."""
     values = _parameters(parameters)
     if not values.get("base_model"):
         raise pb_utils.TritonModelException("generator: parameter 'base_model' (a checkpoint directory) is empty")
-    device = values.get("device") or "auto"
+    device = instance_device(values.get("device") or "auto", instance_kind, device_id)
     if device == "auto":
         import torch
 
@@ -96,7 +97,7 @@ def adapter_label_limit(parameters: dict) -> int:
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         parameters = json.loads(args["model_config"]).get("parameters", {})
-        config = engine_config(parameters)
+        config = engine_config(parameters, args.get("model_instance_kind", ""), args.get("model_instance_device_id"))
         self.metrics = self._create_metrics(adapter_label_limit(parameters))
         self.poller: StatsPoller | None = None
         pb_utils.Logger.log_info(
