@@ -328,7 +328,7 @@ class Engine:
 
     # ------------------------------------------------------------------- loop
     def _loop(self) -> None:
-        if self.device.startswith("cuda"):
+        if self.device.startswith("cuda") and torch.device(self.device).index is not None:
             torch.cuda.set_device(torch.device(self.device))  # the current device is per thread
         while not self._stopping.is_set():
             self._drain_inbox()
