@@ -118,6 +118,8 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--norm", choices=["fused", "torch"], default="fused",
+                    help="residual add + RMSNorm as the engine's kernel path runs it (fused), or as torch ops")
     ap.add_argument("--out", default=os.environ.get("OUT", "perf/results"))
     args = ap.parse_args()
     device, dtype = "cuda", torch.bfloat16
@@ -127,6 +129,8 @@ def main() -> None:
 
     bandwidth = copy_bandwidth(device)
     model = random_model(cfg, args.context + 64, device, dtype)
+    model.use_kernels = args.norm == "fused"  # as the engine sets it on its kernel path
+    print(f"residual add + RMSNorm: {args.norm}")
     blocks = -(-(args.context + 1) // args.page_size)
     probe = UnifiedPool(cfg, 1, args.page_size, dtype, device)
     one = random_adapter("probe", cfg, args.rank, probe, args.rank)
