@@ -117,6 +117,7 @@ class Engine:
         model_class = MoeModel if cfg.is_moe else LlamaModel
         self.model = model_class.load(config.model_dir, cfg, self.max_len, self.device, self.dtype)
         self.model.use_kernels = self.use_kernels
+        self.model.fuse_add_norm = config.fuse_add_norm
         log.info("loaded %s (%.1f MB) on %s as %s in %.1fs", cfg.architecture, self.model.weight_bytes() / 1e6,
                  self.device, self.dtype, time.perf_counter() - t0)
         self.pool = UnifiedPool(cfg, self._num_pages(), config.page_size, self.dtype, self.device)

@@ -73,10 +73,12 @@ class LlamaModel:
     """Weights on one device and a forward pass over a flat batch of tokens.
 
     ``use_kernels`` (set by the engine on its kernel path) runs the residual add + RMSNorm as one
-    Triton kernel; the decode attention kernel is chosen by the batch (``StepBatch.decode``).
+    Triton kernel unless ``fuse_add_norm`` is off; the decode attention kernel is chosen by the batch
+    (``StepBatch.decode``).
     """
 
     use_kernels: bool = False
+    fuse_add_norm: bool = True
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], max_len: int, device: str,
                  dtype: torch.dtype) -> None:
@@ -159,7 +161,7 @@ class LlamaModel:
     def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None,
                   weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(h + delta) * weight, h + delta): one Triton kernel on the kernel path."""
-        if self.use_kernels:
+        if self.use_kernels and self.fuse_add_norm:
             from kernels.add_rms_norm import add_rms_norm
 
             return add_rms_norm(h, delta, weight, self.cfg.rms_norm_eps)
