@@ -64,19 +64,9 @@ class HostAdapterCache:
             self._loading[key] = self._pool.submit(self._load, spec)
 
     def get(self, spec: AdapterSpec) -> PackedAdapter | None:
-        """The packed adapter if loaded (raises its AdapterError if loading failed); else None."""
-        key = (spec.name, spec.sha256)
-        with self._lock:
-            packed = self._entries.get(key)
-            if packed is not None:
-                self._entries.move_to_end(key)
-                self.hits += 1
-                return packed
-            error = self._errors.get(key)
-        if error is not None:
-            raise error
-        self.request(spec)
-        return None
+        """The packed adapter if loaded, counted as a hit (raises its AdapterError if loading failed);
+        else None, and a load is started if none runs."""
+        return self._lookup(spec, use=True)
 
     def contains(self, spec: AdapterSpec) -> bool:
         """Whether the adapter is loaded, without counting a hit or touching the LRU order."""
@@ -84,17 +74,23 @@ class HostAdapterCache:
             return (spec.name, spec.sha256) in self._entries
 
     def is_loaded(self, spec: AdapterSpec) -> bool:
-        """Whether the adapter is loaded; raises its AdapterError if loading failed; starts a load if none
-        runs. A check, not a use: no hit is counted (``get`` counts one when the adapter is taken)."""
+        """As ``get``, but a check, not a use: no hit is counted and the LRU order is kept."""
+        return self._lookup(spec, use=False) is not None
+
+    def _lookup(self, spec: AdapterSpec, use: bool) -> PackedAdapter | None:
         key = (spec.name, spec.sha256)
         with self._lock:
-            if key in self._entries:
-                return True
+            packed = self._entries.get(key)
+            if packed is not None:
+                if use:
+                    self._entries.move_to_end(key)
+                    self.hits += 1
+                return packed
             error = self._errors.get(key)
         if error is not None:
             raise error
         self.request(spec)
-        return False
+        return None
 
     def wait(self, spec: AdapterSpec, timeout: float | None = None) -> PackedAdapter:
         """Block until the adapter is loaded (for tools and tests)."""

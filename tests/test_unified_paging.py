@@ -152,11 +152,17 @@ def test_host_cache_evicts_least_recently_used(base, tmp_path):
     cache.shutdown()
 
 
+def _one_adapter_cache(base, tmp_path, name: str, rank: int, seed: int):
+    """A random adapter on all projections, registered, and an empty one-thread host cache."""
+    cfg = ModelConfig.from_dir(base)
+    spec = parse_adapter_spec(name, write_random_adapter(tmp_path / name, base, rank=rank, targets=ALL, seed=seed),
+                              cfg, 16)
+    return spec, HostAdapterCache(cfg, torch.float32, 4096, 16, capacity=None, pin_memory=False, workers=1)
+
+
 def test_loaders_wait_at_the_launch_gate(base, tmp_path):
     """While the engine holds the gate closed (launching a step) a load does not progress; opened, it ends."""
-    cfg = ModelConfig.from_dir(base)
-    spec = parse_adapter_spec("g", write_random_adapter(tmp_path / "g", base, rank=4, targets=ALL, seed=3), cfg, 16)
-    cache = HostAdapterCache(cfg, torch.float32, 4096, 16, capacity=None, pin_memory=False, workers=1)
+    spec, cache = _one_adapter_cache(base, tmp_path, "g", rank=4, seed=3)
     try:
         cache.launch_gate.clear()
         cache.request(spec)
@@ -171,9 +177,7 @@ def test_loaders_wait_at_the_launch_gate(base, tmp_path):
 
 def test_readiness_checks_are_not_host_cache_hits(base, tmp_path):
     """The scheduler asks every step whether queued adapters are loaded; only taking one counts a hit."""
-    cfg = ModelConfig.from_dir(base)
-    spec = parse_adapter_spec("h", write_random_adapter(tmp_path / "h", base, rank=2, targets=ALL, seed=4), cfg, 16)
-    cache = HostAdapterCache(cfg, torch.float32, 4096, 16, capacity=None, pin_memory=False, workers=1)
+    spec, cache = _one_adapter_cache(base, tmp_path, "h", rank=2, seed=4)
     try:
         assert cache.is_loaded(spec) in (False, True)  # starts the load
         cache.wait(spec, timeout=30)
