@@ -5,7 +5,7 @@ An adapter used by a running request is pinned by the caller and never evicted.
 Copies into the pool can run off the engine thread (``begin_upload``): the engine thread
 takes the pages and computes the offset tables, a worker thread copies the packed weights
 in on a side CUDA stream, and the adapter counts as resident once that copy has finished
-(``is_ready``). A copy from pageable host memory blocks the thread that issues it; at 84 MB
+(``ResidentAdapter.ready``). A copy from pageable host memory blocks the thread that issues it; at 84 MB
 per rank-16 Llama-3-8B adapter that was the engine thread's time before.
 """
 
@@ -62,16 +62,12 @@ class AdapterPool:
         self._stream = None
 
     def get(self, spec: AdapterSpec) -> ResidentAdapter | None:
-        """The version's entry if it has pages in the pool (its copy may still run: see ``is_ready``)."""
+        """The version's entry if it has pages in the pool (its copy may still run: see ``ResidentAdapter.ready``)."""
         key = (spec.name, spec.sha256)
         entry = self._resident.get(key)
         if entry is not None:
             self._resident.move_to_end(key)
         return entry
-
-    def is_ready(self, spec: AdapterSpec) -> bool:
-        entry = self._resident.get((spec.name, spec.sha256))
-        return entry is not None and entry.ready()
 
     def upload(self, packed: PackedAdapter) -> ResidentAdapter:
         """Copy a packed adapter into free pages (the caller made room), on this thread.
@@ -125,11 +121,6 @@ class AdapterPool:
             data = packed.data.to(self.device, non_blocking=True)
             storage.index_copy_(0, page_ids.to(self.device, non_blocking=True), data)
             done.record(self._stream)
-
-    def wait_all(self) -> None:
-        """Let every copy in flight finish."""
-        for entry in self._resident.values():
-            entry.wait()
 
     def evict(self, key: tuple[str, str]) -> None:
         entry = self._resident.pop(key)
