@@ -98,6 +98,16 @@ def _layout(spec: AdapterSpec, cfg: ModelConfig, page_elems: int):
     return num_pages, rows
 
 
+def row_offset_table(rows: list[tuple], cfg: ModelConfig, max_rank: int) -> torch.Tensor:
+    """int64 [layers, module slots, 2, max_rank]: where each rank row of a layout (``_layout``) starts, -1
+    where there is none."""
+    offsets = torch.full((cfg.num_layers, num_module_slots(cfg), 2, max_rank), -1, dtype=torch.int64)
+    if rows:
+        index = torch.tensor([r[:4] for r in rows], dtype=torch.int64)
+        offsets[index[:, 0], index[:, 1], index[:, 2], index[:, 3]] = torch.tensor([r[4] for r in rows])
+    return offsets
+
+
 def pack_adapter(weights: LoraWeights, cfg: ModelConfig, page_elems: int, max_rank: int,
                  pin_memory: bool = False, pause: Callable[[], None] | None = None) -> PackedAdapter:
     """The adapter in pool layout; ``pause`` (if given) is called before each matrix is copied."""
@@ -107,7 +117,7 @@ def pack_adapter(weights: LoraWeights, cfg: ModelConfig, page_elems: int, max_ra
     # page space after the last row of a page is never read (the offset tables point at rows only)
     data = torch.empty(num_pages * page_elems, dtype=dtype, pin_memory=pin_memory)
     slots = num_module_slots(cfg)
-    offsets = torch.full((cfg.num_layers, slots, 2, max_rank), -1, dtype=torch.int64)
+    offsets = row_offset_table(rows, cfg, max_rank)
     ranks = torch.zeros((cfg.num_layers, slots), dtype=torch.int32)
     scalings = torch.zeros((cfg.num_layers, slots), dtype=torch.float32)
     for (layer, module), (a, _b, scaling) in weights.weights.items():
@@ -122,9 +132,6 @@ def pack_adapter(weights: LoraWeights, cfg: ModelConfig, page_elems: int, max_ra
     # Rows of one matrix sit back to back except where a page ends: copy each such run as one slice.
     block: torch.Tensor | None = None
     run_start = run_k = run_len = 0
-    if rows:
-        index = torch.tensor([r[:4] for r in rows], dtype=torch.int64)
-        offsets[index[:, 0], index[:, 1], index[:, 2], index[:, 3]] = torch.tensor([r[4] for r in rows])
     for layer, m, kind, k, offset, length in rows:
         if k == 0:
             if pause is not None:

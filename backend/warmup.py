@@ -15,11 +15,10 @@ import time
 
 import torch
 
-from backend.adapter_packing import PackedAdapter, _layout
+from backend.adapter_packing import PackedAdapter, _layout, row_offset_table
 from backend.adapter_pool import AdapterPool
 from backend.kv_cache import PagedKVCache
 from backend.lora_batch import SEGMENTED_MIN_TOKENS, LoraBatch
-from backend.model_config import PROJECTIONS
 from backend.models.llama import LlamaModel
 from backend.sizing import synthetic_spec
 from backend.step_batch import DecodeRows, SequenceSlice, StepBatch
@@ -39,16 +38,17 @@ def step_sizes(max_tokens: int) -> list[int]:
     return sizes
 
 
-def synthetic_adapter(pool: UnifiedPool, rank: int, max_rank: int) -> PackedAdapter:
+def synthetic_adapter(pool: UnifiedPool, rank: int, max_rank: int, scaling: float = 0.0) -> PackedAdapter:
+    """A rank-``rank`` adapter on every projection (and every expert of an MoE base) in pool layout,
+    with zero weights: what the kernels read, without changing any output. Give it other ``data``
+    and a name with dataclasses.replace."""
     cfg = pool.cfg
     spec = synthetic_spec(cfg, rank)
     num_pages, rows = _layout(spec, cfg, pool.page_elems)
-    offsets = torch.full((cfg.num_layers, len(PROJECTIONS), 2, max_rank), -1, dtype=torch.int64)
-    for layer, m, kind, k, offset, _length in rows:
-        offsets[layer, m, kind, k] = offset
-    ranks = torch.full((cfg.num_layers, len(PROJECTIONS)), rank, dtype=torch.int32)
+    offsets = row_offset_table(rows, cfg, max_rank)
+    ranks = torch.where(offsets[:, :, 0, 0] >= 0, rank, 0).to(torch.int32)
     data = torch.zeros(num_pages, pool.page_elems, dtype=pool.storage.dtype)
-    return PackedAdapter(spec, data, offsets, ranks, torch.zeros(ranks.shape))
+    return PackedAdapter(spec, data, offsets, ranks, torch.where(ranks > 0, scaling, 0.0))
 
 
 @torch.inference_mode()

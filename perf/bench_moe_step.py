@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from backend.adapter_packing import PackedAdapter, _layout, num_module_slots
+from backend.adapter_packing import _layout
 from backend.adapter_pool import AdapterPool
 from backend.kv_cache import PagedKVCache
 from backend.lora_batch import LoraBatch
@@ -40,6 +40,7 @@ from backend.models.moe import MoeLayerWeights, MoeModel
 from backend.sizing import synthetic_spec
 from backend.step_batch import DecodeRows, StepBatch
 from backend.unified_pool import UnifiedPool, page_elements
+from backend.warmup import synthetic_adapter
 
 
 @dataclass(frozen=True)
@@ -103,24 +104,16 @@ def random_model(cfg: ModelConfig, s: MoeShape, device: str, dtype: torch.dtype,
     return model
 
 
-def synthetic_adapters(pool: UnifiedPool, cfg: ModelConfig, count: int, rank: int, device: str) -> list:
+def synthetic_adapters(pool: UnifiedPool, count: int, rank: int, device: str) -> list:
     """``count`` random rank-``rank`` adapters (attention projections + experts) resident in the pool."""
     gpu = AdapterPool(pool, device)
     gen = torch.Generator(device=device).manual_seed(1)
-    spec = synthetic_spec(cfg, rank)
-    num_pages, rows = _layout(spec, cfg, pool.page_elems)  # the same layout for every adapter
-    slots = num_module_slots(cfg)
-    index = torch.tensor([r[:4] for r in rows], dtype=torch.int64)
-    offsets = torch.full((cfg.num_layers, slots, 2, rank), -1, dtype=torch.int64)
-    offsets[index[:, 0], index[:, 1], index[:, 2], index[:, 3]] = torch.tensor([r[4] for r in rows])
-    ranks = torch.zeros((cfg.num_layers, slots), dtype=torch.int32)
-    ranks[index[:, 0], index[:, 1]] = rank
-    scalings = torch.where(ranks > 0, 2.0, 0.0)
+    template = synthetic_adapter(pool, rank, rank, scaling=2.0)  # one layout for all of them
     residents = []
     for n in range(count):
-        data = torch.randn(num_pages, pool.page_elems, generator=gen, device=device).mul_(0.02).to(pool.storage.dtype)
-        packed = PackedAdapter(replace(spec, name=f"s{n}", sha256=f"{n:064x}"), data, offsets, ranks, scalings)
-        residents.append(gpu.upload(packed))
+        data = torch.randn(template.data.shape, generator=gen, device=device).mul_(0.02).to(pool.storage.dtype)
+        spec = replace(template.spec, name=f"s{n}", sha256=f"{n:064x}")
+        residents.append(gpu.upload(replace(template, spec=spec, data=data)))
         del data
     return residents
 
@@ -215,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     num_pages = max(a.batches) * seq_pages + max(a.adapters) * adapter_pages + 1
     pool = UnifiedPool(cfg, num_pages, page_size, dtype, device)
     kv = PagedKVCache(pool)
-    residents = synthetic_adapters(pool, cfg, max(a.adapters), a.rank, device)
+    residents = synthetic_adapters(pool, max(a.adapters), a.rank, device)
     tables = [pool.pages.allocate(f"seq{b}", seq_pages) for b in range(max(a.batches))]
     kv_pages = [page for t in tables for page in t]  # allocated one after another: one range
     pool.storage[min(kv_pages) * pool.page_elems:(max(kv_pages) + 1) * pool.page_elems].normal_(0, 1)
