@@ -198,11 +198,7 @@ class TensorParallelLlama:
             if lora is not None:
                 lora.column(x, qkv, i, QKV, (q_loc, kv_loc, kv_loc))
             attn = self._attention(qkv, positions, seq_lens, w)
-            o = F.linear(attn, w.o)
-            o = lora.row(attn, o, i, "o_proj") if lora is not None else self.comm.all_reduce(o)
-            if w.o_bias is not None:
-                o = o + w.o_bias
-            h = h + o
+            h = h + self._row_parallel(attn, w.o, w.o_bias, i, "o_proj", lora)
             # MLP: column-parallel gate/up, row-parallel down + all-reduce
             x = rms_norm(h, w.post_attention_norm, cfg.rms_norm_eps)
             gate_up = F.linear(x, w.gate_up, w.gate_up_bias)
@@ -210,13 +206,17 @@ class TensorParallelLlama:
                 lora.column(x, gate_up, i, GATE_UP, (loc.intermediate_size,) * 2)
             gate, up = gate_up.split(loc.intermediate_size, dim=-1)
             act = F.silu(gate) * up
-            down = F.linear(act, w.down)
-            down = lora.row(act, down, i, "down_proj") if lora is not None else self.comm.all_reduce(down)
-            if w.down_bias is not None:
-                down = down + w.down_bias
-            h = h + down
+            h = h + self._row_parallel(act, w.down, w.down_bias, i, "down_proj", lora)
         h = rms_norm(h, m.final_norm, cfg.rms_norm_eps)
         return F.linear(h, m.lm_head).float()
+
+    def _row_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: int,
+                      module: str, lora) -> torch.Tensor:
+        """A row-parallel projection: local partial product, its LoRA folded into the one all-reduce,
+        the (whole, unsplit) bias added once after it."""
+        out = F.linear(x, weight)
+        out = lora.row(x, out, layer, module) if lora is not None else self.comm.all_reduce(out)
+        return out + bias if bias is not None else out
 
     def _attention(self, qkv: torch.Tensor, positions: torch.Tensor, seq_lens: list[int], w) -> torch.Tensor:
         loc = self.local
