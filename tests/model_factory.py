@@ -63,6 +63,16 @@ def _param_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def _save_random_lora(peft_model, out: Path, std: float, seed: int) -> None:
+    """Draw every LoRA parameter of a PEFT model from N(0, std) (nonzero A and B) and save the adapter."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, std)
+    peft_model.save_pretrained(out)
+
+
 def make_adapter(base_dir: Path, out: Path, *, rank: int, targets: list[str], alpha: float | None = None,
                  seed: int = 1, use_rslora: bool = False, layers: list[int] | None = None) -> Path:
     """A PEFT LoRA adapter for base_dir with random (nonzero) A and B."""
@@ -72,13 +82,7 @@ def make_adapter(base_dir: Path, out: Path, *, rank: int, targets: list[str], al
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=targets, use_rslora=use_rslora,
                         layers_to_transform=layers, task_type="CAUSAL_LM")
-    peft_model = get_peft_model(model, config)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0, 0.3 / rank ** 0.5)
-    peft_model.save_pretrained(out)
+    _save_random_lora(get_peft_model(model, config), out, 0.3 / rank ** 0.5, seed)
     return out
 
 
@@ -191,11 +195,5 @@ def make_moe_adapter(base_dir: Path, out: Path, *, rank: int, targets: list[str]
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=targets if targets is not None else [],
                         target_parameters=target_parameters, task_type="CAUSAL_LM")
-    peft_model = get_peft_model(model, config)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0, init_std / rank ** 0.5)
-    peft_model.save_pretrained(out)
+    _save_random_lora(get_peft_model(model, config), out, init_std / rank ** 0.5, seed)
     return out

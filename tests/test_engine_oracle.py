@@ -50,6 +50,18 @@ def _random_prompts(n: int, vocab: int, rng: random.Random) -> list[list[int]]:
     return [[0] + [rng.randrange(2, vocab) for _ in range(rng.randint(1, 20))] for _ in range(n)]
 
 
+def _run_random_requests_against_peft(engine: Engine, base, adapters: dict, rng: random.Random, n: int,
+                                      max_tokens: int) -> None:
+    """n random prompts, each with an adapter drawn from the catalogue or none, through the engine at
+    once: every output equals PEFT's greedy tokens."""
+    names = [None, *adapters]
+    cases = [(p, rng.choice(names)) for p in _random_prompts(n, engine.model_config.vocab_size, rng)]
+    reqs = [GenerationRequest(f"r{i}", p, a, SamplingParams(max_tokens=max_tokens)) for i, (p, a) in enumerate(cases)]
+    for (prompt, adapter), res in zip(cases, generate(engine, reqs), strict=True):
+        assert res.error is None, res.error
+        assert res.token_ids == peft_greedy(base, adapters.get(adapter), prompt, max_tokens), f"adapter={adapter}"
+
+
 def test_mixed_batch_matches_peft(checkpoint):
     case, base, adapters = checkpoint
     engine = Engine(EngineConfig(model_dir=str(base), adapters={k: str(v) for k, v in adapters.items()},
@@ -84,15 +96,7 @@ def test_preemption_and_chunked_prefill_keep_outputs_exact(llama):
     engine = Engine(EngineConfig(model_dir=str(base), adapters={k: str(v) for k, v in adapters.items()},
                                  page_size=4, num_kv_pages=56, max_num_batched_tokens=16, max_loras=2))
     try:
-        rng = random.Random(7)
-        names = [None, *adapters]
-        prompts = _random_prompts(12, engine.model_config.vocab_size, rng)
-        cases = [(p, rng.choice(names)) for p in prompts]
-        reqs = [GenerationRequest(f"r{i}", p, a, SamplingParams(max_tokens=20)) for i, (p, a) in enumerate(cases)]
-        results = generate(engine, reqs)
-        for (prompt, adapter), res in zip(cases, results, strict=True):
-            assert res.error is None, res.error
-            assert res.token_ids == peft_greedy(base, adapters.get(adapter), prompt, 20)
+        _run_random_requests_against_peft(engine, base, adapters, random.Random(7), 12, 20)
         assert engine.scheduler.num_preemptions > 0, "the test meant to force preemption"
         assert_pool_drained(engine)
     finally:
@@ -105,14 +109,7 @@ def test_admitting_every_few_steps_keeps_outputs_exact(llama):
     engine = Engine(EngineConfig(model_dir=str(base), adapters={k: str(v) for k, v in adapters.items()},
                                  admit_every_steps=4, max_num_seqs=4))
     try:
-        rng = random.Random(11)
-        names = [None, *adapters]
-        prompts = _random_prompts(10, engine.model_config.vocab_size, rng)
-        cases = [(p, rng.choice(names)) for p in prompts]
-        reqs = [GenerationRequest(f"a{i}", p, a, SamplingParams(max_tokens=9)) for i, (p, a) in enumerate(cases)]
-        results = generate(engine, reqs)
-        for (prompt, adapter), res in zip(cases, results, strict=True):
-            assert res.error is None and res.token_ids == peft_greedy(base, adapters.get(adapter), prompt, 9)
+        _run_random_requests_against_peft(engine, base, adapters, random.Random(11), 10, 9)
         assert_pool_drained(engine)
     finally:
         engine.shutdown()
