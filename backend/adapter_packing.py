@@ -62,20 +62,24 @@ def pages_for(spec: AdapterSpec, cfg: ModelConfig, page_elems: int) -> int:
 
 
 def _layout(spec: AdapterSpec, cfg: ModelConfig, page_elems: int):
-    rows = []  # (layer, module_index, kind, k, offset)
+    """(pages, rows): each rank row as (layer, module slot, kind 0=A / 1=B^T, k, pool offset, length)."""
+    rows = []
     page, cursor = 0, 0
+
+    def place(layer: int, slot: int, rank: int, n_in: int, n_out: int) -> None:
+        nonlocal page, cursor
+        for kind, length in ((0, n_in), (1, n_out)):
+            for k in range(rank):
+                if cursor + length > page_elems:  # a row never straddles two pages
+                    page, cursor = page + 1, 0
+                rows.append((layer, slot, kind, k, page * page_elems + cursor, length))
+                cursor += length
+
     for layer in range(cfg.num_layers):
         for module in PROJECTIONS:
             r = spec.layer_ranks.get((layer, module), 0)
-            if not r:
-                continue
-            n_in, n_out = cfg.projection_shape(module)
-            for kind, length in ((0, n_in), (1, n_out)):
-                for k in range(r):
-                    if cursor + length > page_elems:
-                        page, cursor = page + 1, 0
-                    rows.append((layer, MODULE_INDEX[module], kind, k, page * page_elems + cursor, length))
-                    cursor += length
+            if r:
+                place(layer, MODULE_INDEX[module], r, *cfg.projection_shape(module))
         for parameter in EXPERT_PARAMETERS:
             if not spec.expert_ranks.get((layer, parameter), 0):
                 continue
@@ -85,15 +89,8 @@ def _layout(spec: AdapterSpec, cfg: ModelConfig, page_elems: int):
         for e in range(cfg.num_experts):
             for p, parameter in enumerate(EXPERT_PARAMETERS):
                 r = spec.expert_ranks.get((layer, parameter), 0)
-                if not r:
-                    continue
-                n_in, n_out = cfg.expert_shape(parameter)
-                for kind, length in ((0, n_in), (1, n_out)):
-                    for k in range(r):
-                        if cursor + length > page_elems:
-                            page, cursor = page + 1, 0
-                        rows.append((layer, expert_slot(e, p), kind, k, page * page_elems + cursor, length))
-                        cursor += length
+                if r:
+                    place(layer, expert_slot(e, p), r, *cfg.expert_shape(parameter))
     num_pages = page + 1 if rows else 0
     return num_pages, rows
 
