@@ -96,6 +96,8 @@ def test_preemption_and_chunked_prefill_keep_outputs_exact(llama):
     engine = Engine(EngineConfig(model_dir=str(base), adapters={k: str(v) for k, v in adapters.items()},
                                  page_size=4, num_kv_pages=56, max_num_batched_tokens=16, max_loras=2))
     try:
+        for name in adapters:  # in host memory before the requests come: all are admitted at once,
+            engine.adapters.host.wait(engine.catalogue.get(name), timeout=60)  # however slow the loaders
         _run_random_requests_against_peft(engine, base, adapters, random.Random(7), 12, 20)
         assert engine.scheduler.num_preemptions > 0, "the test meant to force preemption"
         assert_pool_drained(engine)
