@@ -73,6 +73,14 @@ def test_load_unload_replace_while_generating_never_mixes_versions(base, tmp_pat
                     for i in range(8)]
             served += list(zip(reqs, generate(engine, reqs), strict=True))
             round_ += 1
+        thread.join()
+        # However the flips and rounds interleaved on a slow machine, serve each version once more
+        # so the oracle below checks both.
+        for version in (v1, v2):
+            engine.load_adapter("hot", str(version), replace=True)
+            reqs = [GenerationRequest(f"tail-{version.name}-{i}", prompts[i], "hot", SamplingParams(max_tokens=8))
+                    for i in range(4)]
+            served += list(zip(reqs, generate(engine, reqs), strict=True))
     finally:
         thread.join()
         engine.shutdown()
