@@ -117,7 +117,9 @@ class Scheduler:
                     break
                 adapter_pages = self.adapters.pages_to_admit(spec)
             need = self.kv.pages_needed(seq.num_tokens() + 1) + adapter_pages
-            keep = active | ({seq.adapter_key} if spec else set())
+            # requests ahead in the queue keep the adapters being copied in for them: evicting those
+            # for a later request would only restart the copy at the next pass (the pool thrashes)
+            keep = active | not_ready | ({seq.adapter_key} if spec else set())
             if not self.pages.can_allocate(need) and not self.adapters.make_room(need, keep):
                 break
             if spec is not None:

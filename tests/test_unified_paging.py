@@ -240,3 +240,30 @@ def test_two_thousand_adapters_power_law_small_pool_matches_peft(base, tmp_path)
         expected = out[0, len(req.prompt_ids):].tolist()
         expected = expected[: expected.index(1)] if 1 in expected else expected
         assert res.token_ids == expected, f"{req.request_id} adapter={req.adapter}"
+
+
+def test_copies_in_flight_for_earlier_requests_are_not_evicted(base, tmp_path):
+    """A pool that holds one large adapter, or a few small ones, beside the running requests' KV:
+    admission must not evict an adapter being copied in for a request ahead in the queue to make
+    room for one behind it (that restarted every copy at every pass: the queue never moved)."""
+    adapters = {"large": write_random_adapter(tmp_path / "large", base, rank=8, targets=ALL, seed=1)}
+    for i, targets in enumerate((["q_proj", "v_proj"], ["gate_proj", "down_proj"], ALL)):
+        adapters[f"small{i}"] = write_random_adapter(tmp_path / f"s{i}", base, rank=2 + i, targets=targets, seed=2 + i)
+    engine = Engine(EngineConfig(model_dir=str(base), adapters={k: str(v) for k, v in adapters.items()},
+                                 max_num_seqs=4, max_loras=2, num_kv_pages=40, page_size=4, max_model_len=64,
+                                 async_adapter_uploads=True))
+    assert engine.adapters.pages(engine.catalogue.get("large")) > 40 // 2  # large leaves room for little else
+    rng = random.Random(7)
+    names = [*adapters, None]
+    requests = [GenerationRequest(f"r{i}", [0] + [rng.randrange(2, 290) for _ in range(rng.randint(1, 12))],
+                                  names[i % len(names)], SamplingParams(max_tokens=rng.randint(3, 8)))
+                for i in range(15)]
+    try:
+        results = generate(engine, requests, timeout=60)
+        stats = engine.stats()
+        assert_pool_drained(engine)
+    finally:
+        engine.shutdown()
+    assert all(r.error is None and r.finish_reason in ("stop", "length") for r in results)
+    assert stats["adapter_evictions"] > 0, stats  # the pool was too small for all four
+    assert stats["adapter_uploads"] <= 2 * len(requests), stats  # no copy restarted over and over
