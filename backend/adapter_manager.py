@@ -7,6 +7,7 @@ to make room by evicting idle adapters, and to make it resident.
 from __future__ import annotations
 
 from enum import Enum
+from typing import Protocol
 
 from backend.adapter import AdapterSpec
 from backend.adapter_packing import pages_for
@@ -23,12 +24,23 @@ class Readiness(Enum):
     LOADING = "loading"  # being read from disk
 
 
+class AdapterMirror(Protocol):
+    """Other holders of the pool's layout that must follow its adapter placements (the other
+    tensor-parallel ranks: backend/tp_runtime.py)."""
+
+    def prefetch(self, spec: AdapterSpec) -> None: ...
+
+    def place(self, spec: AdapterSpec, pages: list[int]) -> None: ...
+
+
 class AdapterManager:
-    def __init__(self, catalogue: AdapterCatalogue, pool: UnifiedPool, host: HostAdapterCache, device: str) -> None:
+    def __init__(self, catalogue: AdapterCatalogue, pool: UnifiedPool, host: HostAdapterCache, device: str,
+                 mirror: AdapterMirror | None = None) -> None:
         self.catalogue = catalogue
         self.pool = pool
         self.host = host
-        self.gpu = AdapterPool(pool, device)
+        self.mirror = mirror
+        self.gpu = AdapterPool(pool, device, on_place=mirror.place if mirror is not None else None)
         self._pages_cache: dict[tuple[str, str], int] = {}
 
     def pages(self, spec: AdapterSpec) -> int:
@@ -40,6 +52,8 @@ class AdapterManager:
     def prefetch(self, spec: AdapterSpec) -> None:
         if self.gpu.get(spec) is None:
             self.host.request(spec)
+            if self.mirror is not None:
+                self.mirror.prefetch(spec)
 
     def readiness(self, spec: AdapterSpec) -> Readiness:
         """Where the adapter is; raises its AdapterError if it failed to load."""

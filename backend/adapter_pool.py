@@ -12,6 +12,7 @@ per rank-16 Llama-3-8B adapter that was the engine thread's time before.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -52,9 +53,13 @@ class ResidentAdapter:
 
 
 class AdapterPool:
-    def __init__(self, pool: UnifiedPool, device: str) -> None:
+    def __init__(self, pool: UnifiedPool, device: str,
+                 on_place: Callable[[AdapterSpec, list[int]], None] | None = None) -> None:
+        """on_place(spec, pages), if given, hears of every adapter placed, before its copy starts
+        (tensor-parallel rank 0 tells the other ranks to copy their shards into the same pages)."""
         self.pool = pool
         self.device = device
+        self.on_place = on_place
         self._resident: OrderedDict[tuple[str, str], ResidentAdapter] = OrderedDict()  # (name, sha256)
         self.uploads = 0
         self.evictions = 0
@@ -100,6 +105,8 @@ class AdapterPool:
         name = packed.spec.name
         key = AdapterKey(name, packed.spec.sha256)
         pages = self.pool.pages.allocate(key, packed.num_pages)
+        if self.on_place is not None:
+            self.on_place(packed.spec, pages)
         page_ids = torch.tensor(pages, dtype=torch.int64)
         pe = self.pool.page_elems
         rel = packed.row_offsets

@@ -51,6 +51,10 @@ class EngineConfig:
             it back: at 5 ms an eager step's few hundred launches took seconds on the H200.
         admit_every_steps: while requests run, admit waiting ones only every N steps (1: every step);
             fewer mixed prefill steps leave more decode steps to the CUDA graphs, at some TTFT cost.
+        tensor_parallel_size: GPUs one engine shards the base model over (Megatron; LoRA partitioned
+            so it adds no communication: docs/tensor-parallel.md). Rank 0 runs in the engine, ranks
+            1.. in worker processes on the next GPUs (NCCL), or all on the CPU (gloo). Dense
+            Llama-family bases only; no CUDA graphs or warm-up yet when > 1.
         resolvers: where to look for adapters a request names but the catalogue lacks,
             comma-separated: dir:PATH, hf-cache:PATH, plugin:MODULE:FACTORY[:ARG]; "" = off.
     """
@@ -81,10 +85,11 @@ class EngineConfig:
     async_adapter_uploads: bool = True
     rehash_adapters: bool = False
     admit_every_steps: int = 1
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         positive = ("max_lora_rank", "max_loras", "max_num_seqs", "max_num_batched_tokens", "page_size",
-                    "admit_every_steps", "adapter_load_workers")
+                    "admit_every_steps", "adapter_load_workers", "tensor_parallel_size")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be > 0, got {getattr(self, name)}")

@@ -40,6 +40,14 @@ from backend.scheduler import Scheduler
 from backend.sequence import Sequence
 from backend.sizing import adapter_pages, pool_pages_from_free
 from backend.step_builder import StepBuilder
+from backend.tensor_parallel import local_config
+from backend.tp_runtime import (
+    TensorParallelGroup,
+    TensorParallelModel,
+    TensorParallelSetup,
+    new_init_file,
+    rank_host_cache,
+)
 from backend.unified_pool import ReservedPage, UnifiedPool, page_bytes
 from backend.warmup import warm_up
 
@@ -114,25 +122,37 @@ class Engine:
         self.catalogue.register_all(config.adapters, strict=True)
         self.resolvers = load_resolvers(config.resolvers)
         t0 = time.perf_counter()
-        model_class = MoeModel if cfg.is_moe else LlamaModel
-        self.model = model_class.load(config.model_dir, cfg, self.max_len, self.device, self.dtype)
-        self.model.use_kernels = self.use_kernels
-        self.model.fuse_add_norm = config.fuse_add_norm
-        log.info("loaded %s (%.1f MB) on %s as %s in %.1fs", cfg.architecture, self.model.weight_bytes() / 1e6,
-                 self.device, self.dtype, time.perf_counter() - t0)
-        self.pool = UnifiedPool(cfg, self._num_pages(), config.page_size, self.dtype, self.device)
+        self.tp: TensorParallelGroup | None = None
+        # the shapes this process's pool and model shard have: the whole model, or tensor-parallel rank 0's part
+        self.pool_config = cfg
+        if config.tensor_parallel_size > 1:
+            self.model = self._start_tensor_parallel()
+        else:
+            model_class = MoeModel if cfg.is_moe else LlamaModel
+            self.model = model_class.load(config.model_dir, cfg, self.max_len, self.device, self.dtype)
+            self.model.use_kernels = self.use_kernels
+            self.model.fuse_add_norm = config.fuse_add_norm
+        log.info("loaded %s (%.1f MB%s) on %s as %s in %.1fs", cfg.architecture, self.model.weight_bytes() / 1e6,
+                 " on rank 0" if self.tp else "", self.device, self.dtype, time.perf_counter() - t0)
+        self.pool = UnifiedPool(self.pool_config, self._num_pages(), config.page_size, self.dtype, self.device)
         self.kv = PagedKVCache(self.pool)
-        host = HostAdapterCache(cfg, self.dtype, self.pool.page_elems, config.max_lora_rank, config.max_cpu_loras,
-                                pin_memory=False, workers=config.adapter_load_workers,
-                                on_load=lambda name, seconds: self.observer.adapter_loaded(name, seconds),
-                                rehash=config.rehash_adapters)
-        self.adapters = AdapterManager(self.catalogue, self.pool, host, self.device)
+        on_load = lambda name, seconds: self.observer.adapter_loaded(name, seconds)  # noqa: E731
+        if self.tp is not None:
+            self.tp.start(self.pool.num_pages)
+            host = rank_host_cache(self.tp.setup, cfg, 0, self.pool.page_elems, on_load=on_load)
+        else:
+            host = HostAdapterCache(cfg, self.dtype, self.pool.page_elems, config.max_lora_rank,
+                                    config.max_cpu_loras, pin_memory=False, workers=config.adapter_load_workers,
+                                    on_load=on_load, rehash=config.rehash_adapters)
+        self.adapters = AdapterManager(self.catalogue, self.pool, host, self.device, mirror=self.tp)
         self._log_pool()
         self.scheduler = Scheduler(self.kv, self.adapters, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_loras, config.admit_every_steps, config.async_adapter_uploads)
         self.steps = StepBuilder(cfg, self.kv, self.adapters, self.device, self.use_kernels,
                                  paged_prefill=config.prefill_attention == "paged")
-        dense = not cfg.is_moe  # MoE routing is data-dependent: no graphs, eager warm-up not written yet
+        # MoE routing is data-dependent: no graphs, eager warm-up not written yet; tensor parallelism:
+        # neither yet (every rank would have to capture and warm up in step)
+        dense = not cfg.is_moe and self.tp is None
         if config.warmup and self.use_kernels and self.device.startswith("cuda") and dense:
             warm_up(self.model, self.kv, config.max_lora_rank, config.max_num_batched_tokens, config.max_num_seqs,
                     max_len=self.max_len, paged_prefill=config.prefill_attention == "paged")
@@ -151,10 +171,27 @@ class Engine:
         if start:
             self._thread.start()
 
+    def _start_tensor_parallel(self) -> TensorParallelModel:
+        """Spawn ranks 1.. and load rank 0's shard; the model the engine then calls drives them all."""
+        c, cfg = self.config, self.model_config
+        if cfg.is_moe:
+            raise ValueError(f"tensor_parallel_size {c.tensor_parallel_size}: MoE bases ({cfg.architecture}) are "
+                             f"served on one GPU only for now")
+        dtype_name = str(self.dtype).replace("torch.", "")
+        setup = TensorParallelSetup(
+            model_dir=c.model_dir, tp_size=c.tensor_parallel_size, device=self.device, dtype=dtype_name,
+            max_len=self.max_len, page_size=c.page_size, max_lora_rank=c.max_lora_rank,
+            max_cpu_loras=c.max_cpu_loras, use_kernels=self.use_kernels, fuse_add_norm=c.fuse_add_norm,
+            rehash_adapters=c.rehash_adapters, adapter_load_workers=c.adapter_load_workers,
+            init_file=new_init_file())
+        self.pool_config = local_config(cfg, c.tensor_parallel_size)
+        self.tp = TensorParallelGroup(setup, cfg)
+        return self.tp.model
+
     # ------------------------------------------------------------------ sizing
     def _num_pages(self) -> int:
         """Pages in the unified pool: given, or what free memory holds less a margin."""
-        cfg, c = self.model_config, self.config
+        cfg, c = self.pool_config, self.config
         size = page_bytes(cfg, c.page_size, self.dtype)
         if c.num_kv_pages:
             return c.num_kv_pages
@@ -167,7 +204,7 @@ class Engine:
 
     def _max_rank_adapter_pages(self) -> int:
         """Pages of an adapter of rank max_lora_rank on every projection of every layer."""
-        return adapter_pages(self.model_config, self.config.max_lora_rank, self.config.page_size)
+        return adapter_pages(self.pool_config, self.config.max_lora_rank, self.config.page_size)
 
     def _capture_graphs(self) -> None:
         t0 = time.perf_counter()
@@ -179,7 +216,7 @@ class Engine:
         log.info("CUDA graphs captured in %.1fs", time.perf_counter() - t0)
 
     def _log_pool(self) -> None:
-        cfg, c, pool = self.model_config, self.config, self.pool
+        cfg, c, pool = self.pool_config, self.config, self.pool
         mb = page_bytes(cfg, c.page_size, self.dtype) / 2**20
         log.info("unified pool: %d pages of %.2f MiB (%d KV tokens each); %d KV tokens if no adapter is resident",
                  pool.num_pages, mb, c.page_size, pool.num_pages * c.page_size)
@@ -317,6 +354,7 @@ class Engine:
             "device": self.device,
             "dtype": str(self.dtype).replace("torch.", ""),
             "max_model_len": self.max_len,
+            "tensor_parallel_size": self.config.tensor_parallel_size,
         }
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -326,6 +364,8 @@ class Engine:
             self._thread.join(timeout)
         self.adapters.host.shutdown()
         self.adapters.gpu.shutdown()
+        if self.tp is not None:
+            self.tp.shutdown()
 
     # ------------------------------------------------------------------- loop
     def _loop(self) -> None:

@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from backend.adapter import AdapterSpec, load_adapter_weights
+from backend.adapter import AdapterSpec, LoraWeights, load_adapter_weights
 from backend.adapter_packing import PackedAdapter, pack_adapter
 from backend.errors import AdapterError
 from backend.model_config import ModelConfig
@@ -32,8 +32,15 @@ log = logging.getLogger("manylora.host_cache")
 class HostAdapterCache:
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, page_elems: int, max_rank: int,
                  capacity: int | None, pin_memory: bool, workers: int = 2,
-                 on_load: Callable[[str, float], None] | None = None, rehash: bool = False) -> None:
+                 on_load: Callable[[str, float], None] | None = None, rehash: bool = False,
+                 shard: Callable[[LoraWeights], LoraWeights] | None = None,
+                 pack_config: ModelConfig | None = None) -> None:
+        """cfg: the base model adapters are checked against. A tensor-parallel rank passes ``shard``
+        (its part of each loaded adapter) and ``pack_config`` (its local shapes, which the pool's
+        pages are laid out for); otherwise adapters are packed whole for cfg."""
         self.cfg = cfg
+        self.shard = shard
+        self.pack_config = pack_config or cfg
         self.dtype = dtype
         self.page_elems = page_elems
         self.max_rank = max_rank
@@ -110,7 +117,9 @@ class HostAdapterCache:
             pause = self.launch_gate.wait
             weights = load_adapter_weights(spec, self.cfg, dtype=self.dtype, device="cpu", pause=pause,
                                            rehash=self.rehash)
-            packed = pack_adapter(weights, self.cfg, self.page_elems, self.max_rank, pin_memory=self.pin_memory,
+            if self.shard is not None:
+                weights = self.shard(weights)
+            packed = pack_adapter(weights, self.pack_config, self.page_elems, self.max_rank, pin_memory=self.pin_memory,
                                   pause=pause)
         except AdapterError as e:
             log.error("%s", e)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -49,16 +50,23 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
 
 
 def load_state_dict(
-    model_dir: str | Path, wanted: set[str], dtype: torch.dtype, device: str
+    model_dir: str | Path, wanted: set[str], dtype: torch.dtype, device: str,
+    transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Load the tensors named in ``wanted`` (others are skipped), converted to dtype on device."""
+    """Load the tensors named in ``wanted`` (others are skipped), converted to dtype on device.
+
+    ``transform(name, tensor)`` (if given) runs on each tensor in host memory before it moves to the
+    device, one tensor at a time: a tensor-parallel rank keeps only its shard this way."""
     tensors: dict[str, torch.Tensor] = {}
     for path in checkpoint_files(model_dir):
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
                     if name in wanted:
-                        tensors[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                        tensor = f.get_tensor(name)
+                        if transform is not None:
+                            tensor = transform(name, tensor)
+                        tensors[name] = tensor.to(device=device, dtype=dtype)
         except (OSError, RuntimeError, ValueError) as e:
             raise ModelLoadError(f"{path}: cannot read safetensors ({e})") from e
     missing = sorted(wanted - tensors.keys())

@@ -26,6 +26,7 @@ from typing import Literal
 
 import torch
 
+from backend.adapter import LoraWeights
 from backend.model_config import ModelConfig
 from backend.tensor_parallel import COLUMN_PARALLEL, Comm, check_tp, feature_slice
 
@@ -68,6 +69,25 @@ def shard_lora(weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, 
             a_loc, b_loc = a[:, s], b
         out[(layer, module)] = ShardedLora(a_loc.contiguous(), b_loc.contiguous(), float(scaling), r)
     return out
+
+
+def shard_lora_weights(weights: LoraWeights, cfg: ModelConfig, tp_rank: int, tp_size: int) -> LoraWeights:
+    """Rank tp_rank's part of a loaded adapter in the engine's layout ("replicated_a" and "fold"):
+    column-parallel projections keep A whole and B's rows of the rank's output features;
+    row-parallel ones keep A's columns of the rank's input features and B whole. The shard's
+    shapes are those of ``local_config(cfg, tp_size)``, and every module keeps its full rank, so
+    every rank packs an adapter into the same number of pages at the same offsets."""
+    check_tp(cfg, tp_size)
+    if weights.expert_weights:
+        raise ValueError(f"adapter '{weights.spec.name}': tensor parallelism does not support expert (MoE) LoRA")
+    out = {}
+    for (layer, module), (a, b, scaling) in weights.weights.items():
+        s = feature_slice(cfg, module, tp_rank, tp_size)
+        if module in COLUMN_PARALLEL:
+            out[(layer, module)] = (a, b[s].contiguous(), scaling)
+        else:
+            out[(layer, module)] = (a[:, s].contiguous(), b, scaling)
+    return LoraWeights(weights.spec, out)
 
 
 class TPLoraBatch:

@@ -7,8 +7,10 @@ grouped-query attention, SwiGLU MLP; Qwen2 adds q/k/v biases, Qwen3 per-head q/k
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,9 @@ from backend.lora_batch import LoraBatch
 from backend.model_config import ModelConfig
 from backend.rope import RotaryEmbedding
 from backend.step_batch import DecodeRows, StepBatch
+
+if TYPE_CHECKING:
+    from backend.tensor_parallel import Comm
 
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
@@ -79,6 +84,7 @@ class LlamaModel:
 
     use_kernels: bool = False
     fuse_add_norm: bool = True
+    comm: Comm | None = None  # a tensor-parallel rank's collectives (backend/tp_runtime.py); None: one device
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], max_len: int, device: str,
                  dtype: torch.dtype) -> None:
@@ -94,8 +100,10 @@ class LlamaModel:
 
     @classmethod
     def load(cls, model_dir: str | Path, cfg: ModelConfig, max_len: int, device: str,
-             dtype: torch.dtype) -> LlamaModel:
-        tensors = load_state_dict(model_dir, weight_names(cfg), dtype, device)
+             dtype: torch.dtype, shard: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> LlamaModel:
+        """Read the checkpoint's tensors for cfg; with ``shard`` (a tensor-parallel rank), cfg is the
+        rank's local shape and shard(name, tensor) cuts each checkpoint tensor as it is read."""
+        tensors = load_state_dict(model_dir, weight_names(cfg), dtype, device, transform=shard)
         return cls(cfg, tensors, max_len, device, dtype)
 
     def _layer(self, t: dict[str, torch.Tensor], i: int) -> LayerWeights:
@@ -176,10 +184,19 @@ class LlamaModel:
             lora.apply(x, gate_up, i, GATE_UP, (cfg.intermediate_size,) * 2)
         gate, up = gate_up.split(cfg.intermediate_size, dim=-1)
         act = F.silu(gate) * up
-        down = F.linear(act, w.down, w.down_bias)
+        down = F.linear(act, w.down, w.down_bias if self.comm is None else None)
         if lora is not None:
             lora.apply(act, down, i, ("down_proj",), (cfg.hidden_size,))
-        return down
+        return self._reduce(down, w.down_bias)
+
+    def _reduce(self, partial: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """A row-parallel projection's output (o_proj, down_proj). One device: the output itself. A
+        tensor-parallel rank: its partial product, LoRA delta folded in, summed over ranks by one
+        all-reduce, then the (whole) bias added once."""
+        if self.comm is None:
+            return partial
+        self.comm.all_reduce(partial)
+        return partial + bias if bias is not None else partial
 
     def prepare_step(self, batch: StepBatch, kv: PagedKVCache) -> None:
         """Tables every layer shares, computed once per forward (inside a graph when captured)."""
@@ -212,10 +229,10 @@ class LlamaModel:
             out[rows] = self._sequence_attention(q[rows], batch.positions[rows],
                                                  *kv.read(i, seq.block_table, seq.context_len))
         attn = out.view(T, q_out)
-        o = F.linear(attn, w.o, w.o_bias)
+        o = F.linear(attn, w.o, w.o_bias if self.comm is None else None)
         if lora is not None:
             lora.apply(attn, o, i, ("o_proj",), (cfg.hidden_size,))
-        return o
+        return self._reduce(o, w.o_bias)
 
     def _decode_attention(self, q: torch.Tensor, out: torch.Tensor, layer: int, decode: DecodeRows,
                           kv: PagedKVCache) -> None:

@@ -1,0 +1,88 @@
+"""The engine with tensor parallelism: rank 0 in the engine, rank 1 in a worker process (gloo on the CPU).
+
+Output must equal the one-device engine's and the transformers + peft oracle token for token, with
+adapters evicted and placed again in other pages while requests run (every rank must follow rank 0).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from backend.config import EngineConfig
+from backend.engine import Engine
+from backend.offline import generate
+from backend.request import GenerationRequest, SamplingParams
+from model_factory import assert_pool_drained, make_base, make_moe_base, peft_greedy, write_random_adapter
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp_engine")
+    # biases on every projection: column-parallel ones are split, row-parallel ones added once after the sum
+    base = make_base(root / "base", "llama", seed=23, heads=4, kv_heads=2, intermediate=96,
+                     attention_bias=True, mlp_bias=True)
+    adapters = {
+        "all-r8": write_random_adapter(root / "a", base, rank=8, targets=ALL, seed=1),
+        "qv-r2": write_random_adapter(root / "b", base, rank=2, targets=["q_proj", "v_proj"], seed=2),
+        "mlp-r4": write_random_adapter(root / "c", base, rank=4, targets=["gate_proj", "down_proj", "o_proj"],
+                                       seed=3),
+        "all-r3": write_random_adapter(root / "d", base, rank=3, targets=ALL, seed=4),
+    }
+    return base, adapters
+
+
+def _requests(adapters: dict, n: int, seed: int) -> list[GenerationRequest]:
+    rng = random.Random(seed)
+    names = [*adapters, ""]
+    return [GenerationRequest(f"r{i}", [0] + [rng.randrange(2, 290) for _ in range(rng.randint(1, 12))],
+                              names[i % len(names)], SamplingParams(max_tokens=rng.randint(3, 8)))
+            for i in range(n)]
+
+
+def _config(base, adapters, tp: int) -> EngineConfig:
+    # a pool that holds the KV of the running requests and about one large adapter: adapters are
+    # evicted and placed again, in other pages, while requests run (a rank's pages are half as
+    # large at tp=2, and its adapter shards, A whole for q/k/v/gate/up, more than half: more pages)
+    return EngineConfig(model_dir=str(base), adapters={k: str(v) for k, v in adapters.items()},
+                        tensor_parallel_size=tp, max_num_seqs=4, max_loras=2, num_kv_pages=40 if tp == 1 else 70,
+                        page_size=4, max_model_len=64)
+
+
+def test_tp2_engine_equals_one_device_and_the_peft_oracle(setup):
+    base, adapters = setup
+    requests = _requests(adapters, 15, seed=5)
+    one = Engine(_config(base, adapters, 1))
+    try:
+        expected = generate(one, requests, timeout=120)
+    finally:
+        one.shutdown()
+    two = Engine(_config(base, adapters, 2))
+    try:
+        assert two.stats()["tensor_parallel_size"] == 2
+        got = generate(two, requests, timeout=120)
+        stats = two.stats()
+        assert_pool_drained(two)
+    finally:
+        two.shutdown()
+    assert stats["adapter_evictions"] > 0, "the pool should have been too small for every adapter at once"
+    for req, a, b in zip(requests, expected, got, strict=True):
+        assert a.error is None and b.error is None, (a.error, b.error)
+        assert b.token_ids == a.token_ids, f"{req.request_id} ({req.adapter or 'base'}): tp=2 != tp=1"
+    for req, res in list(zip(requests, got, strict=True))[:5]:  # one request of each adapter and the base
+        adapter_dir = adapters[req.adapter] if req.adapter else None
+        assert res.token_ids == peft_greedy(base, adapter_dir, req.prompt_ids, req.sampling.max_tokens), req
+
+
+def test_tp_engine_refuses_uneven_heads_and_moe(setup, tmp_path):
+    base, _ = setup
+    with pytest.raises(ValueError, match="divisible by 3"):
+        Engine(EngineConfig(model_dir=str(base), tensor_parallel_size=3), start=False)
+    moe = make_moe_base(tmp_path / "moe", "mixtral", seed=1)
+    with pytest.raises(ValueError, match="MoE"):
+        Engine(EngineConfig(model_dir=str(moe), tensor_parallel_size=2), start=False)
+    engine = Engine(EngineConfig(model_dir=str(base)), start=False)  # no process group left behind
+    engine.shutdown()
