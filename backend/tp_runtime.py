@@ -118,6 +118,8 @@ def _init_group(setup: TensorParallelSetup, rank: int) -> None:
     import torch.distributed as dist
 
     backend = "nccl" if setup.device.startswith("cuda") else "gloo"
+    if backend == "nccl":  # the lent H200 hosts require NVLink multicast (NVLS) left off
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     dist.init_process_group(backend, init_method=f"file://{setup.init_file}", world_size=setup.tp_size, rank=rank,
                             timeout=timedelta(seconds=setup.collective_timeout_s))
 

@@ -35,6 +35,7 @@ ENGINE_PARAMS = (
     "num_kv_pages",
     "gpu_memory_fraction",
     "max_queue_size",
+    "tensor_parallel_size",
 )
 # config.pbtxt parameters of the generator model file itself, not EngineConfig fields
 MODEL_PARAMS = ("metrics_adapter_labels",)

@@ -43,7 +43,11 @@ def _peft_greedy(model, input_ids: list[int], eos_ids: set[int], pad_id: int) ->
 
 @pytest.fixture(scope="module")
 def reference(server, tokenizer):
-    """(adapter or None, prompt) -> PEFT greedy token ids."""
+    return peft_reference(server, tokenizer)
+
+
+def peft_reference(server, tokenizer) -> dict[tuple[str | None, str], list[int]]:
+    """(adapter or None, prompt) -> PEFT greedy token ids, for the server's base model and catalogue."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -64,6 +68,11 @@ def reference(server, tokenizer):
 
 
 def test_token_ids_match_peft_in_mixed_batches(server, client, tokenizer, reference):
+    check_mixed_batches(client, tokenizer, reference, server.catalogue)
+
+
+def check_mixed_batches(client, tokenizer, reference: dict, catalogue: dict) -> None:
+    """Every (adapter, prompt) of reference at once (streamed and not): token ids equal PEFT's."""
     jobs = list(reference)
     jobs = jobs[::2] + jobs[1::2]  # interleave adapters and the base
     with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
@@ -81,7 +90,7 @@ def test_token_ids_match_peft_in_mixed_batches(server, client, tokenizer, refere
     mismatches = {job: (got[job], reference[job]) for job in jobs if got[job] != reference[job]}
     assert not mismatches, f"{len(mismatches)}/{len(jobs)} differ from PEFT: {mismatches}"
     # the adapters really change the output
-    assert len({tuple(reference[(name, PROMPTS[0])]) for name in [None, *server.catalogue]}) > 1
+    assert len({tuple(reference[(name, PROMPTS[0])]) for name in [None, *catalogue]}) > 1
 
 
 def test_text_matches_peft_through_the_ensemble(server, client, tokenizer, reference):
