@@ -106,13 +106,18 @@ def row_offset_table(rows: list[tuple], cfg: ModelConfig, max_rank: int) -> torc
 
 
 def pack_adapter(weights: LoraWeights, cfg: ModelConfig, page_elems: int, max_rank: int,
-                 pin_memory: bool = False, pause: Callable[[], None] | None = None) -> PackedAdapter:
-    """The adapter in pool layout; ``pause`` (if given) is called before each matrix is copied."""
+                 pin_memory: bool = False, pause: Callable[[], None] | None = None,
+                 allocate: Callable[[int, torch.dtype], torch.Tensor] | None = None) -> PackedAdapter:
+    """The adapter in pool layout; ``pause`` (if given) is called before each matrix is copied;
+    ``allocate(numel, dtype)`` (if given) makes the flat tensor the pages are written into."""
     spec = weights.spec
     num_pages, rows = _layout(spec, cfg, page_elems)
     dtype = next(iter([*weights.weights.values(), *weights.expert_weights.values()]))[0].dtype
     # page space after the last row of a page is never read (the offset tables point at rows only)
-    data = torch.empty(num_pages * page_elems, dtype=dtype, pin_memory=pin_memory)
+    if allocate is not None:
+        data = allocate(num_pages * page_elems, dtype)
+    else:
+        data = torch.empty(num_pages * page_elems, dtype=dtype, pin_memory=pin_memory)
     slots = num_module_slots(cfg)
     offsets = row_offset_table(rows, cfg, max_rank)
     ranks = torch.zeros((cfg.num_layers, slots), dtype=torch.int32)

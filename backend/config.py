@@ -39,6 +39,11 @@ class EngineConfig:
             unless the environment sets MANYLORA_ALLOW_RUNTIME_ADAPTERS=1 (as vLLM gates it).
         adapter_load_workers: threads that read, check and pack adapters from disk. More threads
             load faster but compete with the engine thread for the GIL.
+        adapter_load_processes: > 0: adapters are read, checked and packed in that many child
+            processes (each packs into shared memory, which the engine maps without a copy), so
+            loading neither holds the engine's GIL nor waits for its launches; the
+            adapter_load_workers threads then only wait on them. 0: the threads load (gated while
+            the engine launches a step on CUDA). None: 2 on CUDA, 0 on the CPU.
         rehash_adapters: hash every adapter file again at every load; by default a file whose
             (device, inode, size, mtime, ctime) is unchanged since registration is not re-hashed
             (any write changes its ctime), and one changed is hashed and refused on a mismatch.
@@ -81,6 +86,7 @@ class EngineConfig:
     allow_runtime_adapters: bool = field(default_factory=lambda: _env_flag("MANYLORA_ALLOW_RUNTIME_ADAPTERS"))
     resolvers: str = ""
     adapter_load_workers: int = 2
+    adapter_load_processes: int | None = None
     gil_switch_interval_us: int = 100
     async_adapter_uploads: bool = True
     rehash_adapters: bool = False
@@ -93,6 +99,9 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.adapter_load_processes is not None and self.adapter_load_processes < 0:
+            raise ValueError(f"EngineConfig.adapter_load_processes must be >= 0 (or None: by device), got "
+                             f"{self.adapter_load_processes}")
         if self.prefill_attention not in ("sdpa", "paged"):
             raise ValueError(
                 f"EngineConfig.prefill_attention must be 'sdpa' or 'paged', got {self.prefill_attention!r}")

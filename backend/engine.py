@@ -56,6 +56,7 @@ log = logging.getLogger("manylora.engine")
 CPU_POOL_BYTES_CAP = 2 << 30  # without a GPU, the pool takes at most this much host memory
 PREFETCH_LOOKAHEAD = 64  # waiting requests whose adapters are loaded ahead
 CANCEL_POLL_S = 0.05  # how often cancellation flags are read
+DEFAULT_LOAD_PROCESSES_CUDA = 2
 
 
 def resolve_device(name: str) -> str:
@@ -143,7 +144,8 @@ class Engine:
         else:
             host = HostAdapterCache(cfg, self.dtype, self.pool.page_elems, config.max_lora_rank,
                                     config.max_cpu_loras, pin_memory=False, workers=config.adapter_load_workers,
-                                    on_load=on_load, rehash=config.rehash_adapters)
+                                    on_load=on_load, rehash=config.rehash_adapters,
+                                    processes=self._load_processes())
         self.adapters = AdapterManager(self.catalogue, self.pool, host, self.device, mirror=self.tp)
         self._log_pool()
         self.scheduler = Scheduler(self.kv, self.adapters, config.max_num_seqs, config.max_num_batched_tokens,
@@ -183,10 +185,19 @@ class Engine:
             max_len=self.max_len, page_size=c.page_size, max_lora_rank=c.max_lora_rank,
             max_cpu_loras=c.max_cpu_loras, use_kernels=self.use_kernels, fuse_add_norm=c.fuse_add_norm,
             rehash_adapters=c.rehash_adapters, adapter_load_workers=c.adapter_load_workers,
+            adapter_load_processes=self._load_processes(),
             init_file=new_init_file())
         self.pool_config = local_config(cfg, c.tensor_parallel_size)
         self.tp = TensorParallelGroup(setup, cfg)
         return self.tp.model
+
+    def _load_processes(self) -> int:
+        """Adapter loader processes: as configured, or by default 2 on CUDA (the engine thread's
+        launches then never wait for a loader's Python) and none on the CPU."""
+        given = self.config.adapter_load_processes
+        if given is not None:
+            return given
+        return DEFAULT_LOAD_PROCESSES_CUDA if self.device.startswith("cuda") else 0
 
     # ------------------------------------------------------------------ sizing
     def _num_pages(self) -> int:

@@ -23,6 +23,7 @@ import torch
 
 from backend.adapter import AdapterSpec, LoraWeights, load_adapter_weights
 from backend.adapter_packing import PackedAdapter, pack_adapter
+from backend.adapter_process_loader import ProcessLoader
 from backend.errors import AdapterError
 from backend.model_config import ModelConfig
 
@@ -34,10 +35,12 @@ class HostAdapterCache:
                  capacity: int | None, pin_memory: bool, workers: int = 2,
                  on_load: Callable[[str, float], None] | None = None, rehash: bool = False,
                  shard: Callable[[LoraWeights], LoraWeights] | None = None,
-                 pack_config: ModelConfig | None = None) -> None:
+                 pack_config: ModelConfig | None = None, processes: int = 0) -> None:
         """cfg: the base model adapters are checked against. A tensor-parallel rank passes ``shard``
-        (its part of each loaded adapter) and ``pack_config`` (its local shapes, which the pool's
-        pages are laid out for); otherwise adapters are packed whole for cfg."""
+        (its part of each loaded adapter; picklable when processes > 0) and ``pack_config`` (its
+        local shapes, which the pool's pages are laid out for); otherwise adapters are packed whole
+        for cfg. processes > 0: loads run in that many child processes
+        (backend/adapter_process_loader.py), the worker threads only wait for them."""
         self.cfg = cfg
         self.shard = shard
         self.pack_config = pack_config or cfg
@@ -54,7 +57,8 @@ class HostAdapterCache:
         self._entries: OrderedDict[tuple[str, str], PackedAdapter] = OrderedDict()
         self._loading: dict[tuple[str, str], Future] = {}
         self._errors: dict[tuple[str, str], AdapterError] = {}
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="adapter-load")
+        self._processes = ProcessLoader(processes) if processes > 0 else None
+        self._pool = ThreadPoolExecutor(max_workers=max(workers, processes), thread_name_prefix="adapter-load")
         self.hits = 0
         self.misses = 0
         self.loads = 0
@@ -114,13 +118,11 @@ class HostAdapterCache:
         key = (spec.name, spec.sha256)
         t0 = time.perf_counter()
         try:
-            pause = self.launch_gate.wait
-            weights = load_adapter_weights(spec, self.cfg, dtype=self.dtype, device="cpu", pause=pause,
-                                           rehash=self.rehash)
-            if self.shard is not None:
-                weights = self.shard(weights)
-            packed = pack_adapter(weights, self.pack_config, self.page_elems, self.max_rank, pin_memory=self.pin_memory,
-                                  pause=pause)
+            if self._processes is not None:
+                packed = self._processes.load(spec, self.cfg, self.pack_config, self.dtype, self.page_elems,
+                                              self.max_rank, self.rehash, self.shard)
+            else:
+                packed = self._load_here(spec)
         except AdapterError as e:
             log.error("%s", e)
             with self._lock:
@@ -145,6 +147,16 @@ class HostAdapterCache:
         if self.on_load is not None:
             self.on_load(spec.name, seconds)
 
+    def _load_here(self, spec: AdapterSpec) -> PackedAdapter:
+        """Read, check and pack on this thread, waiting at the launch gate between modules."""
+        pause = self.launch_gate.wait
+        weights = load_adapter_weights(spec, self.cfg, dtype=self.dtype, device="cpu", pause=pause,
+                                       rehash=self.rehash)
+        if self.shard is not None:
+            weights = self.shard(weights)
+        return pack_adapter(weights, self.pack_config, self.page_elems, self.max_rank, pin_memory=self.pin_memory,
+                            pause=pause)
+
     def stats(self) -> dict:
         with self._lock:
             return {"host_cached": len(self._entries), "host_loading": len(self._loading),
@@ -155,3 +167,5 @@ class HostAdapterCache:
     def shutdown(self) -> None:
         self.launch_gate.set()  # a loader waiting at the gate finishes instead of hanging
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._processes is not None:
+            self._processes.shutdown()

@@ -26,11 +26,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import logging
 import os
 import pickle
 import shutil
-import sys
 import tempfile
 import traceback
 from dataclasses import dataclass
@@ -46,6 +46,7 @@ from backend.loader import DTYPES
 from backend.lora_batch import LoraBatch
 from backend.model_config import ModelConfig
 from backend.models.llama import LlamaModel
+from backend.processes import spawn_context
 from backend.step_batch import StepBatch
 from backend.tensor_parallel import Comm, check_tp, local_config, shard_tensor
 from backend.tp_lora import shard_lora_weights
@@ -72,6 +73,7 @@ class TensorParallelSetup:
     fuse_add_norm: bool
     rehash_adapters: bool
     adapter_load_workers: int
+    adapter_load_processes: int
     init_file: str  # the process group's rendezvous (file://)
     collective_timeout_s: float = 120.0
 
@@ -110,7 +112,8 @@ def rank_host_cache(setup: TensorParallelSetup, cfg: ModelConfig, rank: int, pag
     """A host cache that keeps rank ``rank``'s shard of each adapter, packed for its pool."""
     return HostAdapterCache(cfg, DTYPES[setup.dtype], page_elems, setup.max_lora_rank, setup.max_cpu_loras,
                             pin_memory=False, workers=setup.adapter_load_workers, rehash=setup.rehash_adapters,
-                            shard=lambda w: shard_lora_weights(w, cfg, rank, setup.tp_size),
+                            processes=setup.adapter_load_processes,
+                            shard=functools.partial(shard_lora_weights, cfg=cfg, tp_rank=rank, tp_size=setup.tp_size),
                             pack_config=local_config(cfg, setup.tp_size), **kwargs)
 
 
@@ -236,15 +239,6 @@ def worker_main(setup: TensorParallelSetup, cfg: ModelConfig, rank: int, conn) -
 
 
 # ------------------------------------------------------------------------------------------------------ rank 0
-def _python_for_children() -> str:
-    """The interpreter to spawn workers with: this one, or (inside Triton's Python backend stub,
-    whose executable is not Python) the python3 of the environment it runs in."""
-    if Path(sys.executable).name.startswith("python"):
-        return sys.executable
-    candidate = Path(sys.prefix) / "bin" / "python3"
-    return str(candidate) if candidate.exists() else (shutil.which("python3") or sys.executable)
-
-
 class TensorParallelGroup:
     """Rank 0's side: the worker processes, and the model the engine calls (``self.model``).
 
@@ -261,8 +255,7 @@ class TensorParallelGroup:
         self.setup = setup
         self.broken: str | None = None
         self._prefetched: set[tuple[str, str]] = set()
-        ctx = torch.multiprocessing.get_context("spawn")
-        ctx.set_executable(_python_for_children())
+        ctx = spawn_context()
         self._conns = []
         self._procs = []
         for rank in range(1, setup.tp_size):
