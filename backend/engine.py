@@ -368,6 +368,11 @@ class Engine:
             "tensor_parallel_size": self.config.tensor_parallel_size,
         }
 
+    def start(self) -> None:
+        """Start the step loop (an engine made with start=False; a no-op once running)."""
+        if not self._thread.is_alive() and not self._stopping.is_set():
+            self._thread.start()
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopping.set()
         self._wake.set()

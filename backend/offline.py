@@ -31,7 +31,8 @@ class Completion:
 
 
 def generate(engine: Engine, requests: list[GenerationRequest], timeout: float = 300.0) -> list[Completion]:
-    """Submit all requests at once and wait; a request refused at submit carries its error."""
+    """Submit all requests at once and wait; a request refused at submit carries its error. An engine
+    made with start=False is started after the last submit, so its first step sees them all."""
     results = {r.request_id: Completion(r.request_id) for r in requests}
     if len(results) != len(requests):
         raise ValueError("request ids must be unique within one generate() call")
@@ -65,6 +66,7 @@ def generate(engine: Engine, requests: list[GenerationRequest], timeout: float =
             c.error, c.finish_reason = e, "error"
             with lock:
                 remaining -= 1
+    engine.start()  # an engine made with start=False sees every request queued before its first step
     if remaining and not done.wait(timeout):
         raise TimeoutError(f"{remaining} of {len(requests)} requests unfinished after {timeout}s")
     return [results[r.request_id] for r in requests]

@@ -36,7 +36,7 @@ class StepBatch:
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
     kv_slots: torch.Tensor  # int64 [T]: page * page_size + offset where each token's k, v go
-    sequences: list[SequenceSlice]  # attended one by one (prefill chunks; every sequence on the torch path)
+    sequences: list[SequenceSlice]  # attended in torch, grouped (prefill chunks; every sequence on the torch path)
     logits_rows: torch.Tensor  # int64 [n]: rows whose next-token logits are wanted
     decode: DecodeRows | None = None  # attended by the kernel (kernel path only)
     # Per-step tables shared by every layer; the model sets them at the start of each forward
@@ -45,3 +45,4 @@ class StepBatch:
     rope_sin: torch.Tensor | None = None
     kv_pages: torch.Tensor | None = None  # int64 [T]: page of each token's k, v
     kv_offsets: torch.Tensor | None = None  # int64 [T]: slot in that page
+    prefill_groups: list | None = None  # backend.prefill_attention.PrefillGroup tables of ``sequences``

@@ -94,7 +94,8 @@ def test_preemption_and_chunked_prefill_keep_outputs_exact(llama):
     """A pool too small for all requests at once: preemption + recompute still give PEFT's tokens."""
     base, adapters = llama
     engine = Engine(EngineConfig(model_dir=str(base), adapters={k: str(v) for k, v in adapters.items()},
-                                 page_size=4, num_kv_pages=56, max_num_batched_tokens=16, max_loras=2))
+                                 page_size=4, num_kv_pages=56, max_num_batched_tokens=16, max_loras=2),
+                    start=False)  # generate() starts it once every request is queued: all compete at once
     try:
         for name in adapters:  # in host memory before the requests come: all are admitted at once,
             engine.adapters.host.wait(engine.catalogue.get(name), timeout=60)  # however slow the loaders

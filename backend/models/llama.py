@@ -19,6 +19,7 @@ from backend.kv_cache import PagedKVCache
 from backend.loader import load_state_dict
 from backend.lora_batch import LoraBatch
 from backend.model_config import ModelConfig
+from backend.prefill_attention import attend, build_groups
 from backend.rope import RotaryEmbedding
 from backend.step_batch import DecodeRows, StepBatch
 
@@ -202,6 +203,8 @@ class LlamaModel:
         """Tables every layer shares, computed once per forward (inside a graph when captured)."""
         batch.rope_cos, batch.rope_sin = self.rope.lookup(batch.positions)
         batch.kv_pages, batch.kv_offsets = kv.locate(batch.kv_slots)
+        batch.prefill_groups = build_groups(batch.sequences, batch.positions, kv.page_size,
+                                            self.cfg.sliding_window) if batch.sequences else None
 
     def _attention(self, x: torch.Tensor, i: int, w: LayerWeights, batch: StepBatch, kv: PagedKVCache,
                    lora: LoraBatch | None) -> torch.Tensor:
@@ -224,10 +227,8 @@ class LlamaModel:
         out = torch.empty((T, cfg.num_heads, cfg.head_dim), dtype=q.dtype, device=q.device)
         if batch.decode is not None:
             self._decode_attention(q, out, i, batch.decode, kv)
-        for seq in batch.sequences:
-            rows = slice(seq.start, seq.start + seq.length)
-            out[rows] = self._sequence_attention(q[rows], batch.positions[rows],
-                                                 *kv.read(i, seq.block_table, seq.context_len))
+        if batch.prefill_groups:
+            attend(q, out, i, kv.storage, batch.prefill_groups, self.scale)
         attn = out.view(T, q_out)
         o = F.linear(attn, w.o, w.o_bias if self.comm is None else None)
         if lora is not None:
@@ -251,15 +252,3 @@ class LlamaModel:
         paged_decode_attention(q.index_select(0, rows), kv.pool.storage, decode.block_tables, decode.seq_lens,
                                self.scale, result, **geometry)
         out.index_copy_(0, rows, result)
-
-    def _sequence_attention(self, q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor,
-                            v: torch.Tensor) -> torch.Tensor:
-        """q [n, heads, d] at positions q_pos over k, v [ctx, kv_heads, d]; causal (and windowed)."""
-        k_pos = torch.arange(k.shape[0], device=q.device)
-        allowed = k_pos[None, :] <= q_pos[:, None]
-        if self.cfg.sliding_window:
-            allowed &= k_pos[None, :] > q_pos[:, None] - self.cfg.sliding_window
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=allowed,
-            scale=self.scale, enable_gqa=True)
-        return out.transpose(0, 1)
