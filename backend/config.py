@@ -43,7 +43,8 @@ class EngineConfig:
             processes (each packs into shared memory, which the engine maps without a copy), so
             loading neither holds the engine's GIL nor waits for its launches; the
             adapter_load_workers threads then only wait on them. 0: the threads load (gated while
-            the engine launches a step on CUDA). None: 2 on CUDA, 0 on the CPU.
+            the engine launches a step on CUDA). None: on CUDA a quarter of the cores (1 to 4), on
+            the CPU 0.
         rehash_adapters: hash every adapter file again at every load; by default a file whose
             (device, inode, size, mtime, ctime) is unchanged since registration is not re-hashed
             (any write changes its ctime), and one changed is hashed and refused on a mismatch.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import queue
 import random
 import sys
@@ -56,7 +57,14 @@ log = logging.getLogger("manylora.engine")
 CPU_POOL_BYTES_CAP = 2 << 30  # without a GPU, the pool takes at most this much host memory
 PREFETCH_LOOKAHEAD = 64  # waiting requests whose adapters are loaded ahead
 CANCEL_POLL_S = 0.05  # how often cancellation flags are read
-DEFAULT_LOAD_PROCESSES_CUDA = 2
+
+
+def default_load_processes(device: str) -> int:
+    """Adapter loader processes when unset: none on the CPU (the forward is the computation, loader
+    threads use its GIL gaps); on CUDA a quarter of the cores, 1 to 4."""
+    if not device.startswith("cuda"):
+        return 0
+    return max(1, min(4, (os.cpu_count() or 4) // 4))
 
 
 def resolve_device(name: str) -> str:
@@ -192,12 +200,10 @@ class Engine:
         return self.tp.model
 
     def _load_processes(self) -> int:
-        """Adapter loader processes: as configured, or by default 2 on CUDA (the engine thread's
-        launches then never wait for a loader's Python) and none on the CPU."""
+        """Adapter loader processes: as configured, or default_load_processes (on CUDA the engine thread's
+        launches then never wait for a loader's Python)."""
         given = self.config.adapter_load_processes
-        if given is not None:
-            return given
-        return DEFAULT_LOAD_PROCESSES_CUDA if self.device.startswith("cuda") else 0
+        return given if given is not None else default_load_processes(self.device)
 
     # ------------------------------------------------------------------ sizing
     def _num_pages(self) -> int:
@@ -366,6 +372,7 @@ class Engine:
             "dtype": str(self.dtype).replace("torch.", ""),
             "max_model_len": self.max_len,
             "tensor_parallel_size": self.config.tensor_parallel_size,
+            "adapter_load_processes": self._load_processes(),
         }
 
     def start(self) -> None:

@@ -57,6 +57,7 @@ class HeadlineConfig:
     max_num_seqs: int = 64
     max_cpu_loras: int | None = None
     admit_every_steps: int = 1
+    adapter_load_processes: int | None = None  # None: the engine's default for the device
     slo_s: float = SLO_TTFT_S
     seed: int = 0
     skip_peft: bool = False
@@ -167,6 +168,7 @@ def run(cfg: HeadlineConfig, out: Path) -> dict:
                 max_loras=cfg.max_num_seqs,  # S-LoRA caps no adapter diversity per batch
                 max_cpu_loras=cfg.max_cpu_loras,
                 admit_every_steps=cfg.admit_every_steps,
+                adapter_load_processes=cfg.adapter_load_processes,
                 max_model_len=cfg.input_range[1] + cfg.output_range[1] + 8,
             )
         )
@@ -345,6 +347,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[HeadlineConfig, Path]:
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-cpu-loras", type=int)
     p.add_argument("--admit-every-steps", type=int)
+    p.add_argument("--adapter-load-processes", type=int)
     p.add_argument("--slo", type=float, dest="slo_s")
     p.add_argument("--seed", type=int)
     p.add_argument("--skip-peft", action="store_true", default=None)

@@ -229,6 +229,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--admit-every-steps", type=int, default=1)
     p.add_argument("--prefill-attention", choices=["sdpa", "paged"], default="sdpa")
+    p.add_argument("--adapter-load-processes", type=int, default=None,
+                   help="EngineConfig.adapter_load_processes (default: the engine's, by device)")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/profile"))
     a = p.parse_args(argv)
     d = DEFAULTS[a.shape]
@@ -251,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
             model_dir=str(base_dir), device=device, max_lora_rank=16, max_num_seqs=max_num_seqs,
             max_loras=max_num_seqs, max_cpu_loras=d.get("max_cpu_loras"),
              admit_every_steps=a.admit_every_steps,
-            prefill_attention=a.prefill_attention,
+            prefill_attention=a.prefill_attention, adapter_load_processes=a.adapter_load_processes,
             max_model_len=d["input_range"][1] + d["output_range"][1] + 8))
         errors = engine.catalogue.register_all(catalogue, strict=False, workers=max(4, os.cpu_count() or 4))
         if errors:
