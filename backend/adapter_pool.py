@@ -106,7 +106,11 @@ class AdapterPool:
         key = AdapterKey(name, packed.spec.sha256)
         pages = self.pool.pages.allocate(key, packed.num_pages)
         if self.on_place is not None:
-            self.on_place(packed.spec, pages)
+            try:
+                self.on_place(packed.spec, pages)
+            except BaseException:
+                self.pool.pages.free(key)
+                raise
         page_ids = torch.tensor(pages, dtype=torch.int64)
         pe = self.pool.page_elems
         rel = packed.row_offsets

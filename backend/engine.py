@@ -246,6 +246,9 @@ class Engine:
     def validate(self, request: GenerationRequest) -> AdapterSpec | None:
         """Raise RequestError if the request cannot be served; returns the adapter version to use."""
         p, rid = request.sampling, request.request_id
+        if self.tp is not None and self.tp.broken:
+            raise RequestError(ErrorCode.UNAVAILABLE, f"request {rid}: {self.tp.broken.splitlines()[0]}; "
+                                                      f"the engine must be restarted")
         n = len(request.prompt_ids)
         if n == 0:
             raise RequestError(ErrorCode.INVALID_ARG, f"request {rid}: empty prompt (no input tokens)")
@@ -401,12 +404,14 @@ class Engine:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
-            self._prefetch()
             try:
+                self._prefetch()
                 ran = self.step()
             except Exception:  # noqa: BLE001 - the engine must outlive any one bad step
                 log.error("engine step failed:\n%s", traceback.format_exc())
                 ran = True
+                if self.tp is not None and self.tp.broken:  # no step can run again: fail what waits
+                    self._fail_all(self.tp.broken.splitlines()[0])
             if not ran:  # waiting only on adapter loads
                 self._wake.wait(0.002)
                 self._wake.clear()

@@ -284,10 +284,12 @@ class TensorParallelGroup:
 
     # the AdapterMirror protocol (backend/adapter_manager.py)
     def prefetch(self, spec: AdapterSpec) -> None:
+        """A hint: never raises (a broken group is reported by the next step)."""
         key = (spec.name, spec.sha256)
-        if key not in self._prefetched:
+        if key not in self._prefetched and self.broken is None:
             self._prefetched.add(key)
-            self._send(("prefetch", spec))
+            with contextlib.suppress(RuntimeError, OSError):
+                self._send(("prefetch", spec))
 
     def place(self, spec: AdapterSpec, pages: list[int]) -> None:
         self._prefetched.discard((spec.name, spec.sha256))
@@ -300,16 +302,24 @@ class TensorParallelGroup:
         self.check()
         data = _dumps(message)
         for conn in self._conns:
-            conn.send_bytes(data)
+            try:
+                conn.send_bytes(data)
+            except OSError:  # the rank went away since check()
+                self.check()
+                raise
 
     def check(self) -> None:
         """Raise if a worker failed or exited (the group cannot run another step then)."""
         if self.broken is None:
             for rank, (conn, proc) in enumerate(zip(self._conns, self._procs, strict=True), start=1):
-                if conn.poll():
-                    kind, detail = pickle.loads(conn.recv_bytes())
-                    self.broken = f"tensor-parallel rank {rank} reported {kind}:\n{detail}"
-                elif not proc.is_alive():
+                try:
+                    if conn.poll():  # an error report, or the end of the pipe of a rank that is gone
+                        kind, detail = pickle.loads(conn.recv_bytes())
+                        self.broken = f"tensor-parallel rank {rank} reported {kind}:\n{detail}"
+                except (EOFError, OSError):
+                    pass
+                if self.broken is None and not proc.is_alive():
+                    proc.join(1)
                     self.broken = f"tensor-parallel rank {rank} exited (code {proc.exitcode})"
                 if self.broken:
                     log.error("%s", self.broken)

@@ -86,3 +86,18 @@ def test_tp_engine_refuses_uneven_heads_and_moe(setup, tmp_path):
         Engine(EngineConfig(model_dir=str(moe), tensor_parallel_size=2), start=False)
     engine = Engine(EngineConfig(model_dir=str(base)), start=False)  # no process group left behind
     engine.shutdown()
+
+
+def test_a_dead_rank_fails_requests_with_its_name_and_the_engine_stays_up(setup):
+    base, adapters = setup
+    engine = Engine(_config(base, adapters, 2))
+    try:
+        assert generate(engine, _requests(adapters, 2, seed=1), timeout=120)[0].error is None
+        worker = engine.tp._procs[0]
+        worker.kill()
+        worker.join()
+        results = generate(engine, _requests(adapters, 3, seed=2), timeout=120)
+        assert all(r.error is not None and "tensor-parallel rank 1" in r.error.message for r in results), results
+        assert engine._thread.is_alive()
+    finally:
+        engine.shutdown()
