@@ -23,6 +23,7 @@ means a worker has placed every adapter a step reads before it runs that step.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import dataclasses
@@ -260,12 +261,15 @@ class TensorParallelGroup:
         self._procs = []
         for rank in range(1, setup.tp_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, args=(setup, cfg, rank, child), name=f"manylora-tp{rank}",
-                               daemon=True)
+            # not daemonic: a rank starts adapter loader processes of its own (daemons may not have
+            # children); it exits at "stop" or when rank 0's end of the pipe closes, and an exit
+            # handler stops the ranks before multiprocessing joins them at interpreter exit
+            proc = ctx.Process(target=worker_main, args=(setup, cfg, rank, child), name=f"manylora-tp{rank}")
             proc.start()
             child.close()
             self._conns.append(parent)
             self._procs.append(proc)
+        atexit.register(self.shutdown)
         _init_group(setup, 0)
         self.model = TensorParallelModel(load_rank_model(setup, cfg, 0), self)
 
@@ -330,6 +334,7 @@ class TensorParallelGroup:
     def shutdown(self, timeout: float = 10.0) -> None:
         import torch.distributed as dist
 
+        atexit.unregister(self.shutdown)
         for conn in self._conns:
             with contextlib.suppress(OSError):
                 conn.send_bytes(pickle.dumps(("stop",)))

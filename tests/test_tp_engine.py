@@ -6,6 +6,7 @@ adapters evicted and placed again in other pages while requests run (every rank 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -52,7 +53,8 @@ def _config(base, adapters, tp: int) -> EngineConfig:
                         page_size=4, max_model_len=64)
 
 
-def test_tp2_engine_equals_one_device_and_the_peft_oracle(setup):
+@pytest.mark.parametrize("load_processes", [0, 2])  # 2: each rank's adapter shards read in children (CUDA's default)
+def test_tp2_engine_equals_one_device_and_the_peft_oracle(setup, load_processes):
     base, adapters = setup
     requests = _requests(adapters, 15, seed=5)
     one = Engine(_config(base, adapters, 1))
@@ -60,7 +62,7 @@ def test_tp2_engine_equals_one_device_and_the_peft_oracle(setup):
         expected = generate(one, requests, timeout=120)
     finally:
         one.shutdown()
-    two = Engine(_config(base, adapters, 2))
+    two = Engine(dataclasses.replace(_config(base, adapters, 2), adapter_load_processes=load_processes))
     try:
         assert two.stats()["tensor_parallel_size"] == 2
         got = generate(two, requests, timeout=120)
