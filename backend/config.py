@@ -45,6 +45,10 @@ class EngineConfig:
             adapter_load_workers threads then only wait on them. 0: the threads load (gated while
             the engine launches a step on CUDA). None: on CUDA a quarter of the cores (1 to 4), on
             the CPU 0.
+        host_cache_fraction: the host tier keeps at most this share of the memory available when
+            the engine starts (and, with loader processes packing into /dev/shm, at most 80% of its
+            room), least recently used out first, on top of max_cpu_loras; 0: no byte limit.
+            Split between tensor-parallel ranks.
         rehash_adapters: hash every adapter file again at every load; by default a file whose
             (device, inode, size, mtime, ctime) is unchanged since registration is not re-hashed
             (any write changes its ctime), and one changed is hashed and refused on a mismatch.
@@ -88,6 +92,7 @@ class EngineConfig:
     resolvers: str = ""
     adapter_load_workers: int = 2
     adapter_load_processes: int | None = None
+    host_cache_fraction: float = 0.4
     gil_switch_interval_us: int = 100
     async_adapter_uploads: bool = True
     rehash_adapters: bool = False
@@ -106,6 +111,8 @@ class EngineConfig:
         if self.prefill_attention not in ("sdpa", "paged"):
             raise ValueError(
                 f"EngineConfig.prefill_attention must be 'sdpa' or 'paged', got {self.prefill_attention!r}")
+        if not 0.0 <= self.host_cache_fraction <= 1.0:
+            raise ValueError(f"EngineConfig.host_cache_fraction must be in [0, 1], got {self.host_cache_fraction}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError(f"EngineConfig.gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
 

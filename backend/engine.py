@@ -22,6 +22,7 @@ import torch
 
 from backend.adapter import AdapterSpec
 from backend.adapter_manager import AdapterManager
+from backend.adapter_process_loader import SHM_DIR, choose_directory
 from backend.catalogue import AdapterCatalogue
 from backend.config import EngineConfig
 from backend.cuda_graphs import DecodeGraphs
@@ -39,7 +40,7 @@ from backend.resolvers import load_resolvers
 from backend.sampling import make_generator, sample_next
 from backend.scheduler import Scheduler
 from backend.sequence import Sequence
-from backend.sizing import adapter_pages, pool_pages_from_free
+from backend.sizing import adapter_pages, host_cache_bytes, pool_pages_from_free
 from backend.step_builder import StepBuilder
 from backend.tensor_parallel import local_config
 from backend.tp_runtime import (
@@ -153,7 +154,7 @@ class Engine:
             host = HostAdapterCache(cfg, self.dtype, self.pool.page_elems, config.max_lora_rank,
                                     config.max_cpu_loras, pin_memory=False, workers=config.adapter_load_workers,
                                     on_load=on_load, rehash=config.rehash_adapters,
-                                    processes=self._load_processes())
+                                    processes=self._load_processes(), max_bytes=self._host_cache_bytes())
         self.adapters = AdapterManager(self.catalogue, self.pool, host, self.device, mirror=self.tp)
         self._log_pool()
         self.scheduler = Scheduler(self.kv, self.adapters, config.max_num_seqs, config.max_num_batched_tokens,
@@ -193,7 +194,7 @@ class Engine:
             max_len=self.max_len, page_size=c.page_size, max_lora_rank=c.max_lora_rank,
             max_cpu_loras=c.max_cpu_loras, use_kernels=self.use_kernels, fuse_add_norm=c.fuse_add_norm,
             rehash_adapters=c.rehash_adapters, adapter_load_workers=c.adapter_load_workers,
-            adapter_load_processes=self._load_processes(),
+            adapter_load_processes=self._load_processes(), host_cache_bytes=self._host_cache_bytes(),
             init_file=new_init_file())
         self.pool_config = local_config(cfg, c.tensor_parallel_size)
         self.tp = TensorParallelGroup(setup, cfg)
@@ -204,6 +205,13 @@ class Engine:
         launches then never wait for a loader's Python)."""
         given = self.config.adapter_load_processes
         return given if given is not None else default_load_processes(self.device)
+
+    def _host_cache_bytes(self) -> int | None:
+        """The host tier's byte limit (host_cache_fraction of available memory, shared by the ranks)."""
+        c = self.config
+        directory = choose_directory() if self._load_processes() else None
+        return host_cache_bytes(c.host_cache_fraction / c.tensor_parallel_size,
+                                directory if directory == SHM_DIR else None)
 
     # ------------------------------------------------------------------ sizing
     def _num_pages(self) -> int:
@@ -237,6 +245,11 @@ class Engine:
         mb = page_bytes(cfg, c.page_size, self.dtype) / 2**20
         log.info("unified pool: %d pages of %.2f MiB (%d KV tokens each); %d KV tokens if no adapter is resident",
                  pool.num_pages, mb, c.page_size, pool.num_pages * c.page_size)
+        host = self.adapters.host
+        log.info("host tier: at most %s adapters (max_cpu_loras) and %s (host_cache_fraction %.2f)",
+                 host.capacity if host.capacity is not None else "any number of",
+                 f"{host.max_bytes / 2**30:.1f} GiB" if host.max_bytes is not None else "no byte limit",
+                 c.host_cache_fraction)
         for rank in sorted({8, 16, 64, c.max_lora_rank}):
             if rank <= c.max_lora_rank:
                 log.info("  a rank-%d adapter on all 7 projections takes %d pages",

@@ -35,12 +35,15 @@ class HostAdapterCache:
                  capacity: int | None, pin_memory: bool, workers: int = 2,
                  on_load: Callable[[str, float], None] | None = None, rehash: bool = False,
                  shard: Callable[[LoraWeights], LoraWeights] | None = None,
-                 pack_config: ModelConfig | None = None, processes: int = 0) -> None:
+                 pack_config: ModelConfig | None = None, processes: int = 0,
+                 max_bytes: int | None = None) -> None:
         """cfg: the base model adapters are checked against. A tensor-parallel rank passes ``shard``
         (its part of each loaded adapter; picklable when processes > 0) and ``pack_config`` (its
         local shapes, which the pool's pages are laid out for); otherwise adapters are packed whole
         for cfg. processes > 0: loads run in that many child processes
-        (backend/adapter_process_loader.py), the worker threads only wait for them."""
+        (backend/adapter_process_loader.py), the worker threads only wait for them. capacity bounds
+        the adapters kept, max_bytes their packed bytes (least recently used out first; the newest
+        is always kept)."""
         self.cfg = cfg
         self.shard = shard
         self.pack_config = pack_config or cfg
@@ -48,6 +51,8 @@ class HostAdapterCache:
         self.page_elems = page_elems
         self.max_rank = max_rank
         self.capacity = capacity
+        self.max_bytes = max_bytes
+        self._bytes = 0
         self.pin_memory = pin_memory
         self.on_load = on_load
         self.rehash = rehash
@@ -137,15 +142,20 @@ class HostAdapterCache:
             return
         with self._lock:
             self._entries[key] = packed
+            self._bytes += packed.nbytes
             self._loading.pop(key, None)
             self.loads += 1
             seconds = time.perf_counter() - t0
             self.load_seconds += seconds
-            while self.capacity is not None and len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
+            while len(self._entries) > 1 and self._over_limits():
+                self._bytes -= self._entries.popitem(last=False)[1].nbytes
                 self.evictions += 1
         if self.on_load is not None:
             self.on_load(spec.name, seconds)
+
+    def _over_limits(self) -> bool:
+        return ((self.capacity is not None and len(self._entries) > self.capacity)
+                or (self.max_bytes is not None and self._bytes > self.max_bytes))
 
     def _load_here(self, spec: AdapterSpec) -> PackedAdapter:
         """Read, check and pack on this thread, waiting at the launch gate between modules."""
@@ -162,7 +172,7 @@ class HostAdapterCache:
             return {"host_cached": len(self._entries), "host_loading": len(self._loading),
                     "host_hits": self.hits, "host_misses": self.misses, "host_loads": self.loads,
                     "host_evictions": self.evictions, "host_load_seconds": round(self.load_seconds, 3),
-                    "host_bytes": sum(p.nbytes for p in self._entries.values())}
+                    "host_bytes": self._bytes, "host_bytes_limit": self.max_bytes}
 
     def shutdown(self) -> None:
         self.launch_gate.set()  # a loader waiting at the gate finishes instead of hanging

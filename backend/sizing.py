@@ -145,3 +145,31 @@ def plan_capacity(cfg: ModelConfig, gpu_memory_bytes: int, ranks: dict[int, int]
     return CapacityPlan(gpu_memory_bytes, weights, page_size, psize, pool_pages, pool_pages * psize,
                         pool_pages * page_size, classes, catalogue_pages, max_resident, hot, kv_tokens,
                         per_request, max_batch, recommended)
+
+
+def memory_available_bytes() -> int | None:
+    """The kernel's MemAvailable (Linux), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def host_cache_bytes(fraction: float, shared_memory_dir: str | None = None,
+                     available: int | None = None) -> int | None:
+    """Bytes the host tier may hold: ``fraction`` of the memory available now (None: no limit, when
+    fraction <= 0 or it cannot be read), and at most 80% of the room in ``shared_memory_dir`` where
+    loader processes pack adapters there (a tmpfs has a size of its own)."""
+    available = memory_available_bytes() if available is None else available
+    if fraction <= 0 or available is None:
+        return None
+    budget = int(fraction * available)
+    if shared_memory_dir:
+        import shutil
+
+        budget = min(budget, int(0.8 * shutil.disk_usage(shared_memory_dir).free))
+    return budget

@@ -75,6 +75,7 @@ class TensorParallelSetup:
     rehash_adapters: bool
     adapter_load_workers: int
     adapter_load_processes: int
+    host_cache_bytes: int | None  # each rank's host tier limit
     init_file: str  # the process group's rendezvous (file://)
     collective_timeout_s: float = 120.0
 
@@ -113,7 +114,7 @@ def rank_host_cache(setup: TensorParallelSetup, cfg: ModelConfig, rank: int, pag
     """A host cache that keeps rank ``rank``'s shard of each adapter, packed for its pool."""
     return HostAdapterCache(cfg, DTYPES[setup.dtype], page_elems, setup.max_lora_rank, setup.max_cpu_loras,
                             pin_memory=False, workers=setup.adapter_load_workers, rehash=setup.rehash_adapters,
-                            processes=setup.adapter_load_processes,
+                            processes=setup.adapter_load_processes, max_bytes=setup.host_cache_bytes,
                             shard=functools.partial(shard_lora_weights, cfg=cfg, tp_rank=rank, tp_size=setup.tp_size),
                             pack_config=local_config(cfg, setup.tp_size), **kwargs)
 

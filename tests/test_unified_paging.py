@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import shutil
 import time
 
 import numpy as np
@@ -267,3 +268,39 @@ def test_copies_in_flight_for_earlier_requests_are_not_evicted(base, tmp_path):
     assert all(r.error is None and r.finish_reason in ("stop", "length") for r in results)
     assert stats["adapter_evictions"] > 0, stats  # the pool was too small for all four
     assert stats["adapter_uploads"] <= 2 * len(requests), stats  # no copy restarted over and over
+
+
+def test_host_cache_bounded_by_bytes_evicts_least_recently_used(base, tmp_path):
+    cfg = ModelConfig.from_dir(base)
+    specs = [parse_adapter_spec(f"b{i}", write_random_adapter(tmp_path / f"b{i}", base, rank=4, targets=ALL, seed=i),
+                                cfg, 16) for i in range(4)]
+    one = HostAdapterCache(cfg, torch.float32, 4096, 16, capacity=None, pin_memory=False, workers=1)
+    size = one.wait(specs[0]).nbytes
+    one.shutdown()
+    cache = HostAdapterCache(cfg, torch.float32, 4096, 16, capacity=None, pin_memory=False, workers=1,
+                             max_bytes=int(2.5 * size))
+    try:
+        cache.wait(specs[0])
+        cache.wait(specs[1])
+        cache.get(specs[0])  # b0 is now the most recently used
+        cache.wait(specs[2])  # three would exceed 2.5 adapters' bytes: b1 goes
+        assert cache.contains(specs[0]) and cache.contains(specs[2]) and not cache.contains(specs[1])
+        stats = cache.stats()
+        assert stats["host_bytes"] == 2 * size <= stats["host_bytes_limit"] and stats["host_evictions"] == 1
+    finally:
+        cache.shutdown()
+    tiny = HostAdapterCache(cfg, torch.float32, 4096, 16, capacity=None, pin_memory=False, workers=1, max_bytes=1)
+    try:
+        assert tiny.wait(specs[3]) is not None  # an adapter larger than the limit is still kept alone
+        assert tiny.stats()["host_cached"] == 1
+    finally:
+        tiny.shutdown()
+
+
+def test_host_cache_budget_is_a_share_of_available_memory_and_of_shared_memory_room(tmp_path):
+    from backend.sizing import host_cache_bytes
+
+    assert host_cache_bytes(0.4, available=10 << 30) == int(0.4 * (10 << 30))
+    assert host_cache_bytes(0.0, available=10 << 30) is None
+    room = shutil.disk_usage(tmp_path).free
+    assert host_cache_bytes(1.0, str(tmp_path), available=room * 4) == int(0.8 * room)
