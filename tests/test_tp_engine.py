@@ -103,3 +103,26 @@ def test_a_dead_rank_fails_requests_with_its_name_and_the_engine_stays_up(setup)
         assert engine._thread.is_alive()
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("family, extra", [("qwen3", {"head_dim": 24}), ("mistral", {"sliding_window": 6}),
+                                           ("qwen2", {})])
+def test_tp2_engine_equals_one_device_for_other_families(family, extra, tmp_path):
+    """Qwen3's per-head q/k norms (replicated), Mistral's window (rank-local attention), Qwen2's q/k/v
+    biases (split): two ranks give the one-device tokens."""
+    base = make_base(tmp_path / "base", family, seed=31, heads=4, kv_heads=2, intermediate=96, **extra)
+    adapters = {"a": write_random_adapter(tmp_path / "a", base, rank=4, targets=ALL, seed=5),
+                "b": write_random_adapter(tmp_path / "b", base, rank=2, targets=["k_proj", "down_proj"], seed=6)}
+    requests = _requests(adapters, 9, seed=8)
+    outputs = []
+    for tp in (1, 2):
+        engine = Engine(EngineConfig(model_dir=str(base), adapters={k: str(v) for k, v in adapters.items()},
+                                     tensor_parallel_size=tp, max_num_seqs=4, max_num_batched_tokens=16,
+                                     page_size=4, max_model_len=64))
+        try:
+            outputs.append(generate(engine, requests, timeout=120))
+        finally:
+            engine.shutdown()
+    for req, a, b in zip(requests, *outputs, strict=True):
+        assert a.error is None and b.error is None, (a.error, b.error)
+        assert b.token_ids == a.token_ids, f"{family} {req.request_id}: tp=2 != tp=1"
