@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import queue
 import random
@@ -36,6 +35,7 @@ from backend.models.llama import LlamaModel
 from backend.models.moe import MoeModel
 from backend.observer import EngineObserver, NullObserver
 from backend.request import EmitFn, GenerationOutput, GenerationRequest
+from backend.request_checks import check_request
 from backend.resolvers import load_resolvers
 from backend.sampling import make_generator, sample_next
 from backend.scheduler import Scheduler
@@ -262,32 +262,8 @@ class Engine:
         if self.tp is not None and self.tp.broken:
             raise RequestError(ErrorCode.UNAVAILABLE, f"request {rid}: {self.tp.broken.splitlines()[0]}; "
                                                       f"the engine must be restarted")
+        check_request(request, self.model_config.vocab_size, self.max_len)
         n = len(request.prompt_ids)
-        if n == 0:
-            raise RequestError(ErrorCode.INVALID_ARG, f"request {rid}: empty prompt (no input tokens)")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(ErrorCode.INVALID_ARG,
-                               f"request {rid}: token id {bad[0]} outside the vocabulary [0, {vocab})")
-        if n >= self.max_len:
-            raise RequestError(ErrorCode.INVALID_ARG,
-                               f"request {rid}: prompt of {n} tokens does not fit the context of {self.max_len} tokens "
-                               f"(max_model_len; at least one new token must fit)")
-        if p.max_tokens <= 0:
-            raise RequestError(ErrorCode.INVALID_ARG, f"request {rid}: max_tokens must be > 0, got {p.max_tokens}")
-        if n + p.max_tokens > self.max_len:
-            raise RequestError(ErrorCode.INVALID_ARG,
-                               f"request {rid}: prompt of {n} tokens + max_tokens {p.max_tokens} exceeds the context "
-                               f"of {self.max_len} tokens (max_model_len); ask for at most {self.max_len - n} tokens")
-        if not (math.isfinite(p.temperature) and p.temperature >= 0):
-            raise RequestError(ErrorCode.INVALID_ARG, f"request {rid}: temperature must be >= 0, got {p.temperature}")
-        if p.top_k < 0:
-            raise RequestError(ErrorCode.INVALID_ARG, f"request {rid}: top_k must be >= 0 (0: off), got {p.top_k}")
-        if not (math.isfinite(p.top_p) and 0 < p.top_p <= 1):
-            raise RequestError(ErrorCode.INVALID_ARG, f"request {rid}: top_p must be in (0, 1], got {p.top_p}")
-        if p.seed is not None and not 0 <= p.seed < 2**64:
-            raise RequestError(ErrorCode.INVALID_ARG, f"request {rid}: seed must be in [0, 2^64), got {p.seed}")
         spec = None
         if request.adapter:
             try:
