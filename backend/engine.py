@@ -131,6 +131,12 @@ class Engine:
         self.catalogue = AdapterCatalogue(cfg, config.max_lora_rank)
         self.catalogue.register_all(config.adapters, strict=True)
         self.resolvers = load_resolvers(config.resolvers)
+        # adapter loader processes and the host tier's byte limit, resolved once for every rank
+        self.load_processes = (config.adapter_load_processes if config.adapter_load_processes is not None
+                               else default_load_processes(self.device))
+        directory = choose_directory() if self.load_processes else None
+        self.host_cache_bytes = host_cache_bytes(config.host_cache_fraction / config.tensor_parallel_size,
+                                                 directory if directory == SHM_DIR else None)
         t0 = time.perf_counter()
         self.tp: TensorParallelGroup | None = None
         # the shapes this process's pool and model shard have: the whole model, or tensor-parallel rank 0's part
@@ -154,7 +160,7 @@ class Engine:
             host = HostAdapterCache(cfg, self.dtype, self.pool.page_elems, config.max_lora_rank,
                                     config.max_cpu_loras, pin_memory=False, workers=config.adapter_load_workers,
                                     on_load=on_load, rehash=config.rehash_adapters,
-                                    processes=self._load_processes(), max_bytes=self._host_cache_bytes())
+                                    processes=self.load_processes, max_bytes=self.host_cache_bytes)
         self.adapters = AdapterManager(self.catalogue, self.pool, host, self.device, mirror=self.tp)
         self._log_pool()
         self.scheduler = Scheduler(self.kv, self.adapters, config.max_num_seqs, config.max_num_batched_tokens,
@@ -194,24 +200,11 @@ class Engine:
             max_len=self.max_len, page_size=c.page_size, max_lora_rank=c.max_lora_rank,
             max_cpu_loras=c.max_cpu_loras, use_kernels=self.use_kernels, fuse_add_norm=c.fuse_add_norm,
             rehash_adapters=c.rehash_adapters, adapter_load_workers=c.adapter_load_workers,
-            adapter_load_processes=self._load_processes(), host_cache_bytes=self._host_cache_bytes(),
+            adapter_load_processes=self.load_processes, host_cache_bytes=self.host_cache_bytes,
             init_file=new_init_file())
         self.pool_config = local_config(cfg, c.tensor_parallel_size)
         self.tp = TensorParallelGroup(setup, cfg)
         return self.tp.model
-
-    def _load_processes(self) -> int:
-        """Adapter loader processes: as configured, or default_load_processes (on CUDA the engine thread's
-        launches then never wait for a loader's Python)."""
-        given = self.config.adapter_load_processes
-        return given if given is not None else default_load_processes(self.device)
-
-    def _host_cache_bytes(self) -> int | None:
-        """The host tier's byte limit (host_cache_fraction of available memory, shared by the ranks)."""
-        c = self.config
-        directory = choose_directory() if self._load_processes() else None
-        return host_cache_bytes(c.host_cache_fraction / c.tensor_parallel_size,
-                                directory if directory == SHM_DIR else None)
 
     # ------------------------------------------------------------------ sizing
     def _num_pages(self) -> int:
@@ -364,7 +357,7 @@ class Engine:
             "dtype": str(self.dtype).replace("torch.", ""),
             "max_model_len": self.max_len,
             "tensor_parallel_size": self.config.tensor_parallel_size,
-            "adapter_load_processes": self._load_processes(),
+            "adapter_load_processes": self.load_processes,
         }
 
     def start(self) -> None:

@@ -29,10 +29,3 @@ class PagedKVCache:
         pages, offsets = located if located is not None else self.locate(slots)
         self.storage[pages, layer, 0, offsets] = k
         self.storage[pages, layer, 1, offsets] = v
-
-    def read(self, layer: int, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v [length, kv_heads, head_dim] of one sequence, gathered from its pages."""
-        pages = self.storage[block_table, layer]  # [n_blocks, 2, page_size, kv_heads, head_dim]
-        k = pages[:, 0].reshape(-1, *pages.shape[-2:])[:length]
-        v = pages[:, 1].reshape(-1, *pages.shape[-2:])[:length]
-        return k, v

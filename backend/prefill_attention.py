@@ -46,6 +46,15 @@ class PrefillGroup:
     dest: torch.Tensor  # int64 [n]: their step rows
 
 
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """bool [..., q, k]: key position k_pos[j] is visible to a query at q_pos[..., i] (causal, and within
+    the sliding window if there is one). q_pos [..., q], k_pos [k]."""
+    mask = k_pos <= q_pos[..., None]
+    if sliding_window:
+        mask &= k_pos > q_pos[..., None] - sliding_window
+    return mask
+
+
 def group_sequences(sequences: list[SequenceSlice]) -> list[list[SequenceSlice]]:
     """Sequences in groups whose padded size stays within PAD_RATIO of their real size."""
     groups: list[list[SequenceSlice]] = []
@@ -81,9 +90,7 @@ def build_groups(sequences: list[SequenceSlice], positions: torch.Tensor, page_s
         tables = torch.nn.utils.rnn.pad_sequence([s.block_table for s in group], batch_first=True)  # [S, blocks]
         k_pages = tables[:, (k_pos // page_size).clamp(max=tables.shape[1] - 1)]  # [S, Lk]
         k_offsets = (k_pos % page_size).expand(len(group), lk)
-        mask = k_pos[None, None, :] <= q_pos[:, :, None]  # k < context_len follows: q_pos < context_len
-        if sliding_window:
-            mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+        mask = visible(q_pos, k_pos, sliding_window)  # k < context_len follows: q_pos < context_len
         src = torch.cat([torch.arange(i * lq, i * lq + s.length) for i, s in enumerate(group)]).to(device)
         contexts = torch.tensor([s.context_len for s in group], dtype=torch.int64).to(device)
         k_padding = (k_pos[None, :] >= contexts[:, None])[:, :, None, None]
@@ -128,9 +135,7 @@ def attend_each(q: torch.Tensor, out: torch.Tensor, layer: int, kv_storage: torc
         v = pages[:, 1].reshape(-1, *pages.shape[-2:])[: seq.context_len]
         q_pos = positions[rows]
         k_pos = torch.arange(seq.context_len, device=q.device)
-        allowed = k_pos[None, :] <= q_pos[:, None]
-        if sliding_window:
-            allowed &= k_pos[None, :] > q_pos[:, None] - sliding_window
         o = F.scaled_dot_product_attention(q[rows].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                           attn_mask=allowed, scale=scale, enable_gqa=True)
+                                           attn_mask=visible(q_pos, k_pos, sliding_window), scale=scale,
+                                           enable_gqa=True)
         out[rows] = o.transpose(0, 1)

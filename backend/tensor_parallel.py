@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from backend.model_config import ModelConfig
 from backend.models.llama import GATE_UP, QKV, LlamaModel, rms_norm
+from backend.prefill_attention import visible
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
@@ -236,11 +237,8 @@ class TensorParallelLlama:
         for n in seq_lens:
             rows = slice(start, start + n)
             pos = positions[rows]
-            allowed = pos[None, :] <= pos[:, None]
-            if loc.sliding_window:
-                allowed &= pos[None, :] > pos[:, None] - loc.sliding_window
             o = F.scaled_dot_product_attention(q[rows].transpose(0, 1), k[rows].transpose(0, 1),
-                                               v[rows].transpose(0, 1), attn_mask=allowed,
+                                               v[rows].transpose(0, 1), attn_mask=visible(pos, pos, loc.sliding_window),
                                                scale=self.inner.scale, enable_gqa=True)
             out[rows] = o.transpose(0, 1)
             start += n
