@@ -1,9 +1,9 @@
-"""Parse, validate and load one PEFT LoRA adapter directory against the base model.
+"""One PEFT LoRA adapter directory against the base model: its spec, parsed and validated.
 
 Registration (:func:`parse_adapter_spec`) reads only ``adapter_config.json``, the safetensors
 header and the file's sha256, so that thousands of adapters can be registered at startup.
-Loading (:func:`load_adapter_weights`) reads the tensors, checks that the bytes are the ones
-that were registered, and checks every shape and value.
+Loading (``backend/adapter_weights.py``) reads the tensors, checks that the bytes are the ones
+that were registered, and checks every shape and value, with this module's key layout.
 
 PEFT (0.21) saves keys like ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight``
 (``[r, in]``) and ``...lora_B.weight`` (``[out, r]``); MLP projections sit under ``.mlp.``. Keys
@@ -24,11 +24,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-import mmap
 import os
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,7 +47,6 @@ from backend.model_config import (
     PROJECTIONS,
     ModelConfig,
 )
-from backend.safetensors_view import data_section, parse_safetensors
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 LEGACY_WEIGHTS_FILE = "adapter_model.bin"
@@ -56,7 +54,7 @@ LEGACY_WEIGHTS_FILE = "adapter_model.bin"
 _HASH_CHUNK = 1 << 20
 # safetensors dtype names we accept for LoRA factors.
 _FLOAT_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
-_TORCH_DTYPE_NAMES = {v: k for k, v in _FLOAT_DTYPES.items()}
+TORCH_DTYPE_NAMES = {v: k for k, v in _FLOAT_DTYPES.items()}
 
 # [base_model.model.][model.]layers.{i}.{self_attn|mlp}.{proj}.lora_{A|B}[.{adapter_name}].weight
 _KEY_RE = re.compile(
@@ -203,7 +201,7 @@ def parse_adapter_spec(name: str, path: str | Path, model_config: ModelConfig, m
     stamp = file_stamp(after)
     settled = time.time_ns() - after.st_ctime_ns > STAMP_MIN_AGE_S * 1e9  # timestamps have coarse ticks
     header = _read_safetensors_header(name, weights_path)
-    entries = _layout(name, header, model_config, max_lora_rank)
+    entries = module_entries(name, header, model_config, max_lora_rank)
     spec = _build_spec(name, adapter_dir, sha256, after.st_size, cfg, entries, model_config)
     if file_stamp(before) == stamp and settled:
         spec = dataclasses.replace(spec, file_stamp=stamp)
@@ -216,84 +214,6 @@ STAMP_MIN_AGE_S = 2.0  # a file changed this recently is always re-hashed at loa
 def file_stamp(st: os.stat_result) -> tuple[int, ...]:
     """What changes whenever a file's bytes do (the kernel updates ctime on every write)."""
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
-def load_adapter_weights(
-    spec: AdapterSpec,
-    model_config: ModelConfig,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-    pause: Callable[[], None] | None = None,
-    rehash: bool = False,
-) -> LoraWeights:
-    """Load an adapter's A/B tensors, checking bytes, shapes, ranks and values against ``spec``.
-
-    ``pause`` (if given) is called before each module's tensors are checked: a loader thread
-    waits there while the engine thread launches a step (backend/host_cache.py).
-
-    The file is hashed again unless its stamp (``AdapterSpec.file_stamp``) is unchanged since
-    registration, or always with ``rehash``.
-
-    Raises :class:`AdapterError` when the file changed since registration (sha256 mismatch), a
-    tensor's shape or rank disagrees with the base model or the spec, or a value is NaN/Inf.
-    """
-    name = spec.name
-    weights_path = spec.weights_path
-    try:
-        data, stat = _map_file(weights_path)
-    except (OSError, ValueError) as e:
-        raise AdapterError(name, f"cannot read {weights_path}: {e}") from e
-    unchanged = not rehash and spec.file_stamp is not None and file_stamp(stat) == spec.file_stamp
-    digest = spec.sha256 if unchanged else hashlib.sha256(data).hexdigest()
-    if digest != spec.sha256:
-        raise AdapterError(
-            name,
-            f"{weights_path} changed since registration: sha256 {digest} != registered {spec.sha256}; "
-            f"re-register the adapter",
-        )
-    try:
-        tensors = parse_safetensors(data)
-    except ValueError as e:
-        raise AdapterError(name, f"{weights_path} is not a valid safetensors file: {e}") from e
-    header: dict[str, tuple[tuple[int, ...], str]] = {}
-    for key, t in tensors.items():
-        dt = _TORCH_DTYPE_NAMES.get(t.dtype)
-        header[key] = (tuple(t.shape), dt if dt is not None else str(t.dtype))
-    entries = _layout(name, header, model_config, max_lora_rank=max(spec.rank, 1))
-    loaded_modules = set(entries)
-    registered = set(spec.layer_ranks) | {(layer, EXPERT_ENTRY_PREFIX + p) for layer, p in spec.expert_ranks}
-    if loaded_modules != registered:
-        raise AdapterError(
-            name, f"{weights_path} holds modules {sorted(loaded_modules)}, registered {sorted(registered)}"
-        )
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]] = {}
-    expert_weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]] = {}
-    finite = _all_finite(data, tensors)  # one pass over the file; per tensor only to name a bad one
-    for lm, entry in sorted(entries.items()):
-        if pause is not None:
-            pause()
-        if entry.num_experts:
-            key = (lm[0], lm[1][len(EXPERT_ENTRY_PREFIX):])
-            if entry.rank != spec.expert_ranks[key]:
-                raise AdapterError(
-                    name,
-                    f"tensor '{entry.a_key}' has rank {entry.rank} per expert, registered {spec.expert_ranks[key]}",
-                )
-            a = _checked_tensor(name, entry.a_key, tensors[entry.a_key], dtype, finite)
-            b = _checked_tensor(name, entry.b_key, tensors[entry.b_key], dtype, finite)
-            num_experts, rank = entry.num_experts, entry.rank
-            a = a.reshape(num_experts, rank, a.shape[1])  # expert-major rows
-            b = b.reshape(b.shape[0], rank, num_experts).permute(2, 0, 1)  # rank-major columns -> [E, out, r]
-            expert_weights[key] = (a.to(device).contiguous(), b.to(device).contiguous(), spec.expert_scaling[key])
-            continue
-        if entry.rank != spec.layer_ranks[lm]:
-            raise AdapterError(
-                name, f"tensor '{entry.a_key}' has rank {entry.rank}, registered rank {spec.layer_ranks[lm]}"
-            )
-        a = _checked_tensor(name, entry.a_key, tensors[entry.a_key], dtype, finite)
-        b = _checked_tensor(name, entry.b_key, tensors[entry.b_key], dtype, finite)
-        weights[lm] = (a.to(device).contiguous(), b.to(device).contiguous(), spec.scaling[lm])
-    return LoraWeights(spec=spec, weights=weights, expert_weights=expert_weights)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -316,7 +236,7 @@ def _read_safetensors_header(name: str, weights_path: Path) -> dict[str, tuple[t
     return header
 
 
-def _layout(
+def module_entries(
     name: str,
     header: Mapping[str, tuple[tuple[int, ...], str]],
     model_config: ModelConfig,
@@ -548,40 +468,3 @@ def _build_spec(
         expert_ranks=dict(sorted(expert_ranks.items())),
         expert_scaling=dict(sorted(expert_scaling.items())),
     )
-
-
-def _map_file(path: Path) -> tuple[object, os.stat_result]:
-    """The file's bytes as a copy-on-write mapping (tensors can view it; hashing reads it in place,
-    without the GIL), or a bytearray for an empty file (which cannot be mapped); and its stat."""
-    with open(path, "rb") as f:
-        stat = os.fstat(f.fileno())
-        if stat.st_size == 0:
-            return bytearray(), stat
-        return mmap.mmap(f.fileno(), stat.st_size, access=mmap.ACCESS_COPY), stat
-
-
-def _all_finite(buf, tensors: Mapping[str, torch.Tensor]) -> bool:
-    """True when every tensor is known finite from one check over the whole data section (all of one
-    float dtype); False means "check each tensor"."""
-    dtypes = {t.dtype for t in tensors.values()}
-    if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
-        return False
-    flat = data_section(buf, next(iter(dtypes)))
-    if flat is None:
-        return False
-    low, high = torch.aminmax(flat)  # NaN propagates into both; one pass, ~50x faster than isfinite on bf16
-    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
-
-
-def _checked_tensor(name: str, key: str, t: torch.Tensor, dtype: torch.dtype, known_finite: bool = False
-                    ) -> torch.Tensor:
-    """Convert to ``dtype`` and refuse NaN/Inf (in the file, or from overflow in the conversion)."""
-    if not known_finite and not bool(torch.isfinite(t).all()):
-        bad = int((~torch.isfinite(t)).sum())
-        raise AdapterError(name, f"tensor '{key}' has {bad} non-finite (NaN/Inf) values")
-    if t.dtype == dtype:
-        return t
-    out = t.to(dtype)
-    if not bool(torch.isfinite(out).all()):
-        raise AdapterError(name, f"tensor '{key}' overflows {dtype} (values up to {float(t.abs().max()):.3g})")
-    return out

@@ -30,8 +30,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from backend.adapter import AdapterSpec, LoraWeights, load_adapter_weights
+from backend.adapter import AdapterSpec, LoraWeights
 from backend.adapter_packing import PackedAdapter, pack_adapter
+from backend.adapter_weights import load_adapter_weights
 from backend.errors import AdapterError
 from backend.model_config import ModelConfig
 from backend.processes import spawn_context

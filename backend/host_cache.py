@@ -21,9 +21,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from backend.adapter import AdapterSpec, LoraWeights, load_adapter_weights
+from backend.adapter import AdapterSpec, LoraWeights
 from backend.adapter_packing import PackedAdapter, pack_adapter
 from backend.adapter_process_loader import ProcessLoader
+from backend.adapter_weights import load_adapter_weights
 from backend.errors import AdapterError
 from backend.model_config import ModelConfig
 

@@ -25,8 +25,9 @@ from pathlib import Path
 
 import torch
 
-from backend.adapter import STAMP_MIN_AGE_S, _map_file, load_adapter_weights, parse_adapter_spec
+from backend.adapter import STAMP_MIN_AGE_S, parse_adapter_spec
 from backend.adapter_packing import pack_adapter
+from backend.adapter_weights import load_adapter_weights, map_file
 from backend.host_cache import HostAdapterCache
 from backend.model_config import ModelConfig
 from backend.unified_pool import page_bytes
@@ -36,7 +37,7 @@ from perf.checkpoint import SHAPES, write_adapter, write_config
 def phase_times(spec, cfg: ModelConfig, page_elems: int) -> dict[str, float]:
     """Seconds of one load's parts: hashing the mapped file, load_adapter_weights (map, hash, parse,
     checks), pack_adapter."""
-    data, _ = _map_file(spec.weights_path)
+    data, _ = map_file(spec.weights_path)
     t0 = time.perf_counter()
     hashlib.sha256(data).hexdigest()
     t1 = time.perf_counter()

@@ -22,9 +22,9 @@ from backend.adapter import (
     AdapterSpec,
     LoraWeights,
     compute_sha256,
-    load_adapter_weights,
     parse_adapter_spec,
 )
+from backend.adapter_weights import load_adapter_weights
 from backend.errors import AdapterError
 from backend.model_config import PROJECTIONS, ModelConfig
 

@@ -11,7 +11,8 @@ import random
 import pytest
 import torch
 
-from backend.adapter import load_adapter_weights, parse_adapter_spec
+from backend.adapter import parse_adapter_spec
+from backend.adapter_weights import load_adapter_weights
 from backend.config import EngineConfig
 from backend.engine import Engine
 from backend.errors import AdapterError

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from backend.adapter import load_adapter_weights, parse_adapter_spec
+from backend.adapter import parse_adapter_spec
+from backend.adapter_weights import load_adapter_weights
 from backend.loader import load_state_dict
 from backend.model_config import PROJECTIONS, ModelConfig
 from backend.models.llama import weight_names

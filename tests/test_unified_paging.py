@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from backend.adapter import load_adapter_weights, parse_adapter_spec
+from backend.adapter import parse_adapter_spec
 from backend.adapter_packing import pack_adapter, pages_for
 from backend.adapter_pool import AdapterPool
+from backend.adapter_weights import load_adapter_weights
 from backend.config import EngineConfig
 from backend.engine import Engine
 from backend.host_cache import HostAdapterCache
