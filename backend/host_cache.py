@@ -168,6 +168,11 @@ class HostAdapterCache:
         return pack_adapter(weights, self.pack_config, self.page_elems, self.max_rank, pin_memory=self.pin_memory,
                             pause=pause)
 
+    def wait_started(self, timeout: float | None = None) -> None:
+        """Block until the loader processes (if any) have started their interpreters (tools, benchmarks)."""
+        if self._processes is not None:
+            self._processes.wait_started(timeout)
+
     def stats(self) -> dict:
         with self._lock:
             return {"host_cached": len(self._entries), "host_loading": len(self._loading),

@@ -359,7 +359,6 @@ class TensorParallelModel:
     def __init__(self, rank0: LlamaModel, group: TensorParallelGroup) -> None:
         self.rank0 = rank0
         self.group = group
-        self.cfg = rank0.cfg
 
     def weight_bytes(self) -> int:
         return self.rank0.weight_bytes()

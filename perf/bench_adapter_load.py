@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         for processes in a.processes:
             cache = HostAdapterCache(cfg, torch.bfloat16, page_elems, 16, capacity=None, pin_memory=False,
                                      workers=processes, processes=processes)
-            cache._processes.wait_started(120)  # interpreter start-up is paid once, at engine start
+            cache.wait_started(120)  # interpreter start-up is paid once, at engine start
             wall = load_all(cache, specs)
             print(f"files unchanged since registration, processes {processes}: {a.adapters} loads in {wall:.2f} s = "
                   f"{a.adapters / wall:.1f} adapters/s, {a.adapters * mb / wall:.0f} MB/s")
@@ -115,8 +115,7 @@ def engine_loop(cache: HostAdapterCache | None, specs, a, gate: bool = False) ->
     Returns median and p90 ms of the launch phase, and the loads/s the loader reached meanwhile."""
     x = torch.zeros(16)
     if cache is not None:
-        if cache._processes is not None:
-            cache._processes.wait_started(120)
+        cache.wait_started(120)
         t0 = time.perf_counter()
         for s in specs:
             cache.request(s)
