@@ -51,6 +51,19 @@ def pool_pages_from_free(free_bytes: int, fraction: float, page_size_bytes: int,
     return max(1, int((free_bytes * fraction - margin) // page_size_bytes))
 
 
+def free_device_bytes() -> int:
+    """Free bytes on the current CUDA device once memory that nothing uses is given back: an engine
+    of this process that was shut down but not yet collected (a reference cycle) still holds its pool,
+    and torch's caching allocator keeps freed blocks that mem_get_info does not count as free."""
+    import gc
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free, _total = torch.cuda.mem_get_info()
+    return free
+
+
 def synthetic_spec(cfg: ModelConfig, rank: int, targets: tuple[str, ...] = PROJECTIONS,
                    experts: bool = True) -> AdapterSpec:
     """An adapter of one rank on ``targets`` of every layer (for sizing; no files). On an MoE base

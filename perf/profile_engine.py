@@ -118,8 +118,13 @@ class CompileCounter:
 class StepProfiler:
     """Wraps an engine's step phases with synchronising timers; one StepRecord per step."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, trace_steps: int = 0, trace_min_adapters: int = 1,
+                 trace_out: Path | None = None) -> None:
         self.engine = engine
+        self.trace_steps = trace_steps  # eager steps to record with torch.profiler (kernels and host ops)
+        self.trace_min_adapters = trace_min_adapters
+        self.trace_out = trace_out
+        self.traced = 0
         self.records: list[StepRecord] = []
         self.compiles = CompileCounter()
         self._current: StepRecord | None = None
@@ -174,9 +179,12 @@ class StepProfiler:
 
             e.scheduler.schedule = capture_plan
             t = time.perf_counter()
+            tracer = self._maybe_trace()
             try:
                 ran = step()
             finally:
+                if tracer is not None:
+                    self._finish_trace(tracer, plan_box)
                 e.scheduler.schedule = schedule
                 self._current = None
             record.step_s = time.perf_counter() - t
@@ -193,6 +201,41 @@ class StepProfiler:
             return ran
 
         e.step = profiled_step
+
+    def _maybe_trace(self):
+        """A started torch.profiler for this step while traces are wanted and the waiting batch looks
+        eager (prefill pending) with enough adapters; else None."""
+        e = self.engine
+        if self.traced >= self.trace_steps or self.trace_out is None:
+            return None
+        waiting = list(e.scheduler.waiting) + list(e.scheduler.running)
+        if len({s.adapter_key for s in waiting if s.spec}) < self.trace_min_adapters:
+            return None
+        if not any(s.num_computed < s.num_tokens() - 1 for s in waiting):
+            return None
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if e.device.startswith("cuda"):
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        tracer = torch.profiler.profile(activities=activities)
+        tracer.start()
+        return tracer
+
+    def _finish_trace(self, tracer, plan_box: list) -> None:
+        self._sync()
+        tracer.stop()
+        plan = plan_box[0] if plan_box else []
+        if not plan or self.engine.steps.is_decode_only(plan):
+            return
+        self.traced += 1
+        averages = tracer.key_averages()
+        device_key = "self_device_time_total" if self.engine.device.startswith("cuda") else "self_cpu_time_total"
+        adapters = len({c.sequence.adapter_key for c in plan if c.sequence.spec})
+        header = (f"\n#### traced eager step {self.traced}: {sum(c.num_tokens for c in plan)} tokens, "
+                  f"{len(plan)} seqs, {adapters} adapters\n")
+        text = (header + "-- by device time\n" + averages.table(sort_by=device_key, row_limit=18)
+                + "-- by host time\n" + averages.table(sort_by="self_cpu_time_total", row_limit=18))
+        with open(self.trace_out, "a") as f:
+            f.write(text)
 
     def _loop_timed(self, attr: str) -> None:
         inner = getattr(self.engine, attr)
@@ -231,6 +274,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefill-attention", choices=["sdpa", "paged"], default="sdpa")
     p.add_argument("--adapter-load-processes", type=int, default=None,
                    help="EngineConfig.adapter_load_processes (default: the engine's, by device)")
+    p.add_argument("--trace-steps", type=int, default=0,
+                   help="record this many eager steps of the last adapter count with torch.profiler "
+                        "(top ops by device and host time to <out>/trace.txt)")
+    p.add_argument("--trace-min-adapters", type=int, default=8)
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/profile"))
     a = p.parse_args(argv)
     d = DEFAULTS[a.shape]
@@ -263,6 +310,10 @@ def main(argv: list[str] | None = None) -> None:
         profiler.take()
         print(f"compile counter: {'on' if profiler.compiles.available else 'not available in this triton'}")
         for n in a.adapters:
+            if a.trace_steps and n == a.adapters[-1]:
+                profiler.trace_steps, profiler.trace_min_adapters = a.trace_steps, a.trace_min_adapters
+                profiler.trace_out = out / "trace.txt"
+                profiler.trace_out.unlink(missing_ok=True)
             trace = generate_trace(WorkloadConfig(
                 num_adapters=max(n, 1), alpha=1.0, rate=rate, cv=1.0, duration_s=duration,
                 input_range=d["input_range"], output_range=d["output_range"], seed=0, vocab_range=(4, shape.vocab)))

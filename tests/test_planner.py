@@ -97,6 +97,7 @@ def test_pool_pages_from_free_is_the_engines_rule(base, monkeypatch, free_gib):
         engine.config.num_kv_pages = None
         engine.device = "cuda"
         monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: None)
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (free, 2 * free))
         psize = page_bytes(engine.model_config, PAGE_SIZE, engine.dtype)
         expected = sizing.pool_pages_from_free(free, engine.config.gpu_memory_fraction, psize)

@@ -18,10 +18,12 @@ TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q tests/kernels/test_engine_ke
 timeout 60 python3 -m perf.bench_prefill_attention --device cuda --seqs 1 4 8 16 --chunk 16 64 \
   > "$OUT/bench_prefill_attention.txt" 2>&1
 for processes in 4 0; do
+  trace=0; [ $processes = 4 ] && trace=3  # torch.profiler tables of 3 eager steps at n = 1000
   timeout 170 python3 -m perf.profile_engine --shape llama3-8b --adapters 0 100 1000 --rate 24 --duration 12 \
     --drain 12 --admit-every-steps 4 --adapter-load-processes $processes --out "$OUT/profile_p$processes" \
-    > "$OUT/profile_processes_$processes.txt" 2>&1
+    --trace-steps $trace --trace-min-adapters 16 > "$OUT/profile_processes_$processes.txt" 2>&1
 done
+cp "$OUT/profile_p4/trace.txt" "$OUT/trace_eager_steps.txt" 2>/dev/null
 echo "== server check"; grep -A2 "ready after\|refused alone" "$OUT/serve_check.txt" 2>/dev/null | head -12
 echo "== GPU tests"; tail -1 "$OUT/gpu_engine_tests.txt"
 echo "== prefill attention"; tail -9 "$OUT/bench_prefill_attention.txt"
