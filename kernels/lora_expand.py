@@ -18,15 +18,23 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_meta import FLOAT_DTYPES, SegmentMeta, cdiv, check_segments, check_shape, check_tensor
+from kernels.lora_meta import (
+    FLOAT_DTYPES,
+    SegmentMeta,
+    cdiv,
+    check_segments,
+    check_shape,
+    check_tensor,
+    sgmv_block_m,
+)
 
 __all__ = ["lora_expand", "expand_config"]
 
 # Step-to-step values (token and segment counts, strides that follow the number of tokens or of
 # adapter slots) and slot-table pointers whose alignment follows the slot count: not specialised
 # on, so serving compiles no new variants (see kernels/lora_shrink.py).
-_VARYING_INTS = ["num_tokens", "num_segments", "stride_ys", "stride_bs", "stride_rs", "stride_ss"]
-_VARYING_POINTERS = ["b_row_offsets_ptr", "ranks_ptr", "scalings_ptr"]
+_VARYING_INTS = ["num_tokens", "stride_ys", "stride_bs", "stride_rs", "stride_ss"]
+_VARYING_POINTERS = ["b_row_offsets_ptr", "ranks_ptr", "scalings_ptr", "tiles_ptr"]
 
 
 @triton.jit(do_not_specialize=_VARYING_INTS, do_not_specialize_on_alignment=_VARYING_POINTERS)
@@ -111,10 +119,9 @@ def _lora_expand_sgmv_kernel(
     token_order_ptr,  # int32 [N]: token indices sorted by slot
     seg_starts_ptr,  # int32 [num_segments + 1]
     seg_slots_ptr,  # int32 [num_segments]
+    tiles_ptr,  # int32 [num_tiles, 2]: (segment, first row in token_order) of each BLOCK_M-row tile
     slice_offsets_ptr,  # int32 [NS + 1]
     out_ptr,  # [T, N_TOTAL], modified in place
-    # sizes
-    num_segments,
     # strides
     stride_ys,
     stride_ym,
@@ -135,19 +142,16 @@ def _lora_expand_sgmv_kernel(
     NUM_N_BLOCKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    pid_seg = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    slice_id = tl.program_id(2) // NUM_N_BLOCKS
-    pid_n = tl.program_id(2) % NUM_N_BLOCKS
-    if pid_seg >= num_segments:
-        return
-    slot = tl.load(seg_slots_ptr + pid_seg)
+    # axis 0 (fastest): the column blocks of one tile's rows; axis 1: the tile
+    slice_id = tl.program_id(0) // NUM_N_BLOCKS
+    pid_n = tl.program_id(0) % NUM_N_BLOCKS
+    tile = tl.program_id(1).to(tl.int64)
+    seg = tl.load(tiles_ptr + 2 * tile)
+    row_start = tl.load(tiles_ptr + 2 * tile + 1)
+    slot = tl.load(seg_slots_ptr + seg)
     if slot < 0:
         return
-    seg_end = tl.load(seg_starts_ptr + pid_seg + 1)
-    row_start = tl.load(seg_starts_ptr + pid_seg) + pid_m * BLOCK_M
-    if row_start >= seg_end:
-        return  # this segment is shorter than the longest one
+    seg_end = tl.load(seg_starts_ptr + seg + 1)
     n_start = tl.load(slice_offsets_ptr + slice_id)
     n_size = tl.load(slice_offsets_ptr + slice_id + 1) - n_start
     if pid_n * BLOCK_N >= n_size:
@@ -206,7 +210,7 @@ def _expand_config_cached(
         while block_n > 64 and max_out >= 1024 and num_tokens * num_slices * cdiv(max_out, block_n) < 4 * 132:
             block_n //= 2
         return {"BLOCK_R": block_r, "BLOCK_N": min(block_n, n_cap), "num_warps": 4}
-    block_m = 16 if max_seg_len <= 16 else (32 if max_seg_len <= 32 else 64)
+    block_m = sgmv_block_m(max_seg_len)
     block_n = min(256, n_cap)
     return {"BLOCK_M": block_m, "BLOCK_R": 16, "BLOCK_N": min(block_n, 128 if block_m < 64 else 64), "num_warps": 4}
 
@@ -358,11 +362,11 @@ def lora_expand(
         return base_out
     cfg = dict(config or expand_config(num_tokens, max_out, max_rank, True, segments.max_seg_len))
     num_n_blocks = cdiv(max_out, cfg["BLOCK_N"])
-    grid = (segments.num_segments, cdiv(segments.max_seg_len, cfg["BLOCK_M"]), num_slices * num_n_blocks)
+    tiles = segments.tiles(cfg["BLOCK_M"])
+    grid = (num_slices * num_n_blocks, tiles.shape[0])
     _lora_expand_sgmv_kernel[grid](
         y3, pool, b3, ranks3, scalings3,
-        segments.token_order, segments.seg_starts, segments.seg_slots, bounds, base_out,
-        segments.num_segments,
+        segments.token_order, segments.seg_starts, segments.seg_slots, tiles, bounds, base_out,
         *strides,
         NUM_N_BLOCKS=num_n_blocks,
         DOT_PRECISION="ieee",

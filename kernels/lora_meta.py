@@ -10,11 +10,14 @@ Build the metadata once per batch and pass it to every layer's ``lora_shrink``/`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 __all__ = ["SegmentMeta", "build_segments"]
+
+
+TILE_BLOCK_MS = (16, 32, 64)  # the BLOCK_M values the launchers' heuristics choose; their tiles are built up front
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class SegmentMeta:
         num_segments: number of segments (one per distinct slot in the batch).
         max_seg_len: length of the longest segment (0 when there is none); sizes the launch grid.
         num_tokens: T, the number of tokens of the batch (rows of ``x``).
+        seg_lens: the segments' lengths, on the host.
     """
 
     token_order: torch.Tensor
@@ -38,6 +42,37 @@ class SegmentMeta:
     num_segments: int
     max_seg_len: int
     num_tokens: int
+    seg_lens: tuple[int, ...] = ()
+    _tiles: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def tiles(self, block_m: int) -> torch.Tensor:
+        """int32 [num_tiles, 2]: (segment, first row in token_order) of each BLOCK_M-row tile of every
+        segment, in segment order. The segmented kernels launch one program per tile (and per column
+        block), none for the rows a short segment lacks. Built once per block_m (host arithmetic,
+        one copy to the device)."""
+        if block_m not in self._tiles:
+            self._tiles.update(_tile_tables(self.seg_lens, (block_m,), self.token_order.device))
+        return self._tiles[block_m]
+
+    def num_tiles(self, block_m: int) -> int:
+        return sum(cdiv(n, block_m) for n in self.seg_lens)
+
+
+def _tile_tables(seg_lens: tuple[int, ...], block_ms: tuple[int, ...], device: torch.device) -> dict:
+    """{block_m: int32 [num_tiles, 2] on device}, all tables in one host-to-device copy."""
+    tables = []
+    for block_m in block_ms:
+        rows, start = [], 0
+        for i, n in enumerate(seg_lens):
+            rows += [(i, start + m) for m in range(0, n, block_m)]
+            start += n
+        tables.append(torch.tensor(rows, dtype=torch.int32).reshape(-1, 2))
+    flat = torch.cat(tables).to(device) if tables else torch.empty((0, 2), dtype=torch.int32, device=device)
+    out, at = {}, 0
+    for block_m, table in zip(block_ms, tables, strict=True):
+        out[block_m] = flat[at:at + table.shape[0]]
+        at += table.shape[0]
+    return out
 
 
 def build_segments(token_slots: torch.Tensor, device: torch.device | str | None = None) -> SegmentMeta:
@@ -55,7 +90,7 @@ def build_segments(token_slots: torch.Tensor, device: torch.device | str | None 
         device: where to put the returned tensors (default: token_slots.device).
 
     Returns:
-        SegmentMeta. Computing ``num_segments``/``max_seg_len`` reads values back to the host
+        SegmentMeta, with the tile tables of TILE_BLOCK_MS. The segment lengths are read back to the host
         (one synchronisation when token_slots lives on the GPU: build it from a CPU tensor when
         the scheduler has one).
     """
@@ -72,15 +107,17 @@ def build_segments(token_slots: torch.Tensor, device: torch.device | str | None 
     seg_slots, counts = torch.unique_consecutive(slots[order], return_counts=True)
     seg_starts = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=slots.device)
     torch.cumsum(counts, dim=0, out=seg_starts[1:])
-    max_seg_len = int(counts.max().item()) if counts.numel() else 0
+    seg_lens = tuple(int(n) for n in counts.tolist())
 
     return SegmentMeta(
         token_order=order.to(device=device, dtype=torch.int32),
         seg_starts=seg_starts.to(device=device, dtype=torch.int32),
         seg_slots=seg_slots.to(device=device, dtype=torch.int32),
-        num_segments=int(counts.numel()),
-        max_seg_len=max_seg_len,
+        num_segments=len(seg_lens),
+        max_seg_len=max(seg_lens, default=0),
         num_tokens=num_tokens,
+        seg_lens=seg_lens,
+        _tiles=_tile_tables(seg_lens, TILE_BLOCK_MS, device),
     )
 
 
@@ -89,6 +126,12 @@ def build_segments(token_slots: torch.Tensor, device: torch.device | str | None 
 # ----------------------------------------------------------------------------------------------
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def sgmv_block_m(max_seg_len: int) -> int:
+    """Rows per tile of the segmented kernels: the smallest of TILE_BLOCK_MS that holds the longest
+    segment, else the largest."""
+    return next((m for m in TILE_BLOCK_MS if max_seg_len <= m), TILE_BLOCK_MS[-1])
 
 
 def cdiv(a: int, b: int) -> int:

@@ -4,9 +4,10 @@ Two launch forms share the launcher ``lora_shrink``:
 
 * BGMV (decode): one program per (token, K split, slice x rank block); every token may use a
   different slot. Each program reads its K chunk of x[t] and of its slot's rank rows once.
-* SGMV (prefill): tokens grouped by slot into segments (``kernels.lora_meta.build_segments``);
-  one program per (segment, row block, slice x rank block x K split) computes a tl.dot tile, so
-  a block of BLOCK_M tokens reads its adapter's rows once.
+* SGMV (prefill): tokens grouped by slot into segments (``kernels.lora_meta.build_segments``),
+  segments cut into tiles of BLOCK_M rows; one program per (tile, slice x rank block x K split)
+  computes a tl.dot tile, so a block of BLOCK_M tokens reads its adapter's rows once, and no
+  program is launched for rows a short segment lacks.
 
 Both split K (``in_features``) across programs when the grid would otherwise be small (decode:
 few tokens, 4096+ long rows): partial sums are added into the fp32 output with atomics.
@@ -23,15 +24,23 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_meta import FLOAT_DTYPES, SegmentMeta, cdiv, check_segments, check_shape, check_tensor
+from kernels.lora_meta import (
+    FLOAT_DTYPES,
+    SegmentMeta,
+    cdiv,
+    check_segments,
+    check_shape,
+    check_tensor,
+    sgmv_block_m,
+)
 
 __all__ = ["lora_shrink", "shrink_config"]
 
 # Values that change from step to step (token and segment counts, strides that follow the number
 # of tokens or of adapter slots, K splits) and table pointers whose 16-byte alignment follows the
 # slot count: specialising on them (== 1, % 16, alignment) would compile new variants while serving.
-_VARYING_INTS = ["num_tokens", "num_segments", "k_split_len", "split_k", "stride_as", "stride_rs", "stride_os"]
-_VARYING_POINTERS = ["a_row_offsets_ptr", "ranks_ptr"]
+_VARYING_INTS = ["num_tokens", "k_split_len", "split_k", "stride_as", "stride_rs", "stride_os"]
+_VARYING_POINTERS = ["a_row_offsets_ptr", "ranks_ptr", "tiles_ptr"]
 
 
 @triton.jit
@@ -165,9 +174,9 @@ def _lora_shrink_sgmv_kernel(
     token_order_ptr,  # int32 [N]: token indices sorted by slot
     seg_starts_ptr,  # int32 [num_segments + 1]
     seg_slots_ptr,  # int32 [num_segments]
+    tiles_ptr,  # int32 [num_tiles, 2]: (segment, first row in token_order) of each BLOCK_M-row tile
     out_ptr,  # fp32 [NS, T, R_MAX], zeroed by the launcher
     # sizes
-    num_segments,
     in_features,
     k_split_len,  # elements of K per split (a multiple of BLOCK_K)
     split_k,  # K splits, folded into grid axis 2; a runtime value
@@ -192,22 +201,20 @@ def _lora_shrink_sgmv_kernel(
     DOT_PRECISION: tl.constexpr,
     ROW_ALIGN: tl.constexpr,  # elements in 16 bytes of the pool dtype
 ):
-    pid_seg = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2) % split_k
-    pid_sr = tl.program_id(2) // split_k
+    # axis 0 (fastest): the slices, rank blocks and K splits of one tile, so that the programs reading
+    # the same rows of x run together and share them through L2; axis 1: the tile
+    pid_k = tl.program_id(0) % split_k
+    pid_sr = tl.program_id(0) // split_k
     slice_id = pid_sr // NUM_R_BLOCKS
     pid_r = pid_sr % NUM_R_BLOCKS
-    if pid_seg >= num_segments:
-        return
-    slot = tl.load(seg_slots_ptr + pid_seg)
+    tile = tl.program_id(1).to(tl.int64)
+    seg = tl.load(tiles_ptr + 2 * tile)
+    row_start = tl.load(tiles_ptr + 2 * tile + 1)
+    slot = tl.load(seg_slots_ptr + seg)
     if slot < 0:
         return
     slot = slot.to(tl.int64)
-    seg_end = tl.load(seg_starts_ptr + pid_seg + 1)
-    row_start = tl.load(seg_starts_ptr + pid_seg) + pid_m * BLOCK_M
-    if row_start >= seg_end:
-        return  # this segment is shorter than the longest one
+    seg_end = tl.load(seg_starts_ptr + seg + 1)
     rank = tl.load(ranks_ptr + slice_id * stride_rs + slot * stride_rslot)
     if pid_r * BLOCK_R >= rank:
         return  # rank block past the slot's rank: the zeroed output stays zero
@@ -278,11 +285,12 @@ def _shrink_config_cached(
         block_k = min(block_k, k_cap)
         split = _split_k(in_features, block_k, base)
         return {"BLOCK_R": block_r, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": 4}
-    block_m = 16 if max_seg_len <= 16 else (32 if max_seg_len <= 32 else 64)
+    block_m = sgmv_block_m(max_seg_len)
     block_r = min(64, max(16, triton.next_power_of_2(max(1, max_rank))))
     block_k = min(k_cap, 128 if block_m * block_r <= 2048 else 64)
-    num_segments = num_segments or 1
-    base = num_segments * cdiv(max(1, max_seg_len), block_m) * num_slices * cdiv(max_rank, block_r)
+    # tiles: at most one partial tile per segment beyond the rows' own
+    tiles = cdiv(num_tokens, block_m) + (num_segments or 1)
+    base = tiles * num_slices * cdiv(max_rank, block_r)
     split = _split_k(in_features, block_k, base)
     return {"BLOCK_M": block_m, "BLOCK_R": block_r, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": 4}
 
@@ -407,12 +415,12 @@ def lora_shrink(
                         segments.num_segments)  # fmt: skip
     cfg.update(config or {})
     num_r_blocks, k_split_len, split_k = _grid_split(cfg, in_features, max_rank)
-    num_m_blocks = cdiv(segments.max_seg_len, cfg["BLOCK_M"])
-    grid = (segments.num_segments, num_m_blocks, num_slices * num_r_blocks * split_k)
+    tiles = segments.tiles(cfg["BLOCK_M"])
+    grid = (num_slices * num_r_blocks * split_k, tiles.shape[0])
     _lora_shrink_sgmv_kernel[grid](
         x, pool, a_row_offsets, ranks3,
-        segments.token_order, segments.seg_starts, segments.seg_slots, out3,
-        segments.num_segments, in_features, k_split_len, split_k,
+        segments.token_order, segments.seg_starts, segments.seg_slots, tiles, out3,
+        in_features, k_split_len, split_k,
         *strides,
         **_meta(cfg, always_atomic=True),
         NUM_R_BLOCKS=num_r_blocks,

@@ -51,5 +51,11 @@ for frac in 0.5 0.9; do
   $SERVE_PY -m perf.runner --trace "$OUT/trace_$frac.jsonl" --url "127.0.0.1:$GRPC_PORT" --model generator \
     --name "server_${frac}_of_saturation" --max-duration $((DURATION * 3)) --no-progress --out "$OUT"
 done
+if [ "${PERF_ANALYZER:-0}" = 1 ]; then  # perf_analyzer against the same server (perf/perf_analyzer/run.sh)
+  ADAPTERS=$("$PYTHON" -c "from perf.workload import adapter_name; print(*(adapter_name(i) for i in range(100)))") \
+  VOCAB="4 $VOCAB" URL="127.0.0.1:$GRPC_PORT" OUT_DIR="$OUT/perf_analyzer" PYTHON="$SERVE_PY" \
+  CONCURRENCY="${PA_CONCURRENCY:-16}" RATES="${PA_RATES:-4}" MEASURE_MS="${PA_MEASURE_MS:-5000}" \
+    bash perf/perf_analyzer/run.sh > "$OUT/perf_analyzer.txt" 2>&1
+fi
 kill $SERVER; wait $SERVER 2>/dev/null
 cat "$OUT"/summary.md 2>/dev/null || ls "$OUT"

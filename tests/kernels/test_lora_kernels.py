@@ -424,6 +424,13 @@ def test_build_segments(dist, num_tokens):
         toks = order[meta.seg_starts[i] : meta.seg_starts[i + 1]]
         assert (slots[toks] == meta.seg_slots[i]).all()
         assert (toks[1:] > toks[:-1]).all(), "stable: tokens keep their order inside a segment"
+    assert list(meta.seg_lens) == lengths.tolist()
+    for block_m in (16, 32, 64, 128):  # the up-front tables and one built on demand
+        tiles = meta.tiles(block_m).tolist()
+        assert len(tiles) == meta.num_tiles(block_m)
+        expected = [(i, int(meta.seg_starts[i]) + m) for i in range(meta.num_segments)
+                    for m in range(0, int(lengths[i]), block_m)]
+        assert [tuple(t) for t in tiles] == expected, f"every segment cut into {block_m}-row tiles, in order"
 
 
 def test_argument_errors(device):
