@@ -210,9 +210,9 @@ def _expand_config_cached(
         while block_n > 64 and max_out >= 1024 and num_tokens * num_slices * cdiv(max_out, block_n) < 4 * 132:
             block_n //= 2
         return {"BLOCK_R": block_r, "BLOCK_N": min(block_n, n_cap), "num_warps": 4}
-    block_m = sgmv_block_m(max_seg_len)
-    block_n = min(256, n_cap)
-    return {"BLOCK_M": block_m, "BLOCK_R": 16, "BLOCK_N": min(block_n, 128 if block_m < 64 else 64), "num_warps": 4}
+    # H200 sweep (perf/bench_sgmv_prefill.py --sweep, T = 4096, 8 adapters): 32 x 128 tiles, 4 warps
+    block_m = sgmv_block_m(min(max_seg_len, 32))
+    return {"BLOCK_M": block_m, "BLOCK_R": 16, "BLOCK_N": min(128, n_cap), "num_warps": 4}
 
 
 def expand_config(*args, **kwargs) -> dict[str, int]:
