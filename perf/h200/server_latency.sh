@@ -38,7 +38,7 @@ PY
 read -r IN_LO IN_HI OUT_LO OUT_HI < "$OUT/lengths.txt"
 if [ "${USE_ENV_SH:-1}" = 1 ]; then source perf/h200/env.sh; SERVE_PY=python; else SERVE_PY=$PYTHON; fi
 $SERVE_PY scripts/serve.py --base-model "$CKPT/base" --adapters "$CKPT/adapters/catalogue.json" --param device="$DEVICE" \
-  --param max_num_seqs=64 --param max_loras=64 --param max_model_len="$MAX_LEN" \
+  --param max_num_seqs=64 --param max_loras=64 --param max_model_len="$MAX_LEN" ${EXTRA_PARAMS:-} \
   --http-port "$HTTP_PORT" --grpc-port "$GRPC_PORT" --metrics-port $((HTTP_PORT + 2)) > "$OUT/server.log" 2>&1 &
 SERVER=$!
 for i in $(seq 1 300); do curl -sf "localhost:$HTTP_PORT/v2/models/generator/ready" >/dev/null 2>&1 && break; sleep 1; done
