@@ -106,6 +106,23 @@ def test_pool_pages_from_free_is_the_engines_rule(base, monkeypatch, free_gib):
         engine.shutdown()
 
 
+def test_too_little_free_gpu_memory_is_refused_with_the_numbers(base, monkeypatch):
+    """A pool that cannot hold one max_model_len request beside one max-rank adapter stops start-up with
+    the free memory and the knobs to turn, instead of serving from a 1-page pool that refuses everything."""
+    engine = Engine(EngineConfig(model_dir=str(base), num_kv_pages=4, page_size=PAGE_SIZE, cuda_graphs=False),
+                    start=False)
+    try:
+        engine.config.num_kv_pages = None
+        engine.device = "cuda"
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: None)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (2 * 2**30, 80 * 2**30))
+        with pytest.raises(RuntimeError, match=r"2\.0 GiB free.*max_model_len"):
+            engine._num_pages()
+    finally:
+        engine.shutdown()
+
+
 def test_plan_capacity_numbers(base):
     cfg = ModelConfig.from_dir(base)
     gpu, ranks = 24 * 2**30, {4: 100, 8: 10}

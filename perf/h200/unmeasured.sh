@@ -1,32 +1,55 @@
 #!/usr/bin/env bash
-# What the third session of 2026-11-29 built and could not run on the H200 (no device time was
-# left), in one device call of under 10 minutes; run from the repository root with .gpu carried:
-#   bash perf/h200/unmeasured.sh $OUT
-# 1. the server on CUDA (loader processes are now spawned inside the Triton stub there)   ~1 min
-# 2. compiled engine tests: kernel path == PEFT, graphs == eager (grouped prefill attention) ~1 min
-# 3. prefill attention, each sequence alone vs grouped, CUDA                                  ~0.5 min
-# 4. engine profile, Llama-3-8B shape, n = 0/100/1000: loader processes (default) vs threads  ~2 x 2.5 min
-# Prints a short table last; logs under $OUT.
+# What is still unmeasured on the H200 after the fourth session of 2026-11-29, in three device calls of
+# under 10 minutes each; run from the repository root with .gpu carried:
+#   bash perf/h200/unmeasured.sh server $OUT   # compiled GPU tests; the server latency sweep at 50/90% of
+#                                              # SATURATION (default 12 req/s) with perf_analyzer     ~6 min
+#   bash perf/h200/unmeasured.sh peft $OUT     # engine n=100 vs PEFT mixed and one-at-a-time, 60 s PEFT
+#                                              # runs (the 30x ratio; PEFT loads ~94 adapters in ~225 s) ~8 min
+#   bash perf/h200/unmeasured.sh steps $OUT    # whole-model decode step (dense, fused norm) and the MoE
+#                                              # step (no LoRA / fused / unfused), kernel benches        ~6 min
+# A device call returns only a handful of files: each part writes one log and one .tgz of the rest, and
+# prints a short table last.
 set -u
-OUT=${1:-/tmp/h200}
+PART=${1:?part: server, peft or steps}
+OUT=${2:-/tmp/h200}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-(bash perf/h200/serve_check.sh "$OUT/serve" > "$OUT/serve_check.txt" 2>&1)
-export PYTHONPATH=$PWD
-TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q tests/kernels/test_engine_kernels.py tests/test_prefill_attention.py \
-  -p no:cacheprovider > "$OUT/gpu_engine_tests.txt" 2>&1
-timeout 60 python3 -m perf.bench_prefill_attention --device cuda --seqs 1 4 8 16 --chunk 16 64 \
-  > "$OUT/bench_prefill_attention.txt" 2>&1
-for processes in 4 0; do
-  trace=0; [ $processes = 4 ] && trace=3  # torch.profiler tables of 3 eager steps at n = 1000
-  timeout 170 python3 -m perf.profile_engine --shape llama3-8b --adapters 0 100 1000 --rate 24 --duration 12 \
-    --drain 12 --admit-every-steps 4 --adapter-load-processes $processes --out "$OUT/profile_p$processes" \
-    --trace-steps $trace --trace-min-adapters 16 > "$OUT/profile_processes_$processes.txt" 2>&1
-done
-cp "$OUT/profile_p4/trace.txt" "$OUT/trace_eager_steps.txt" 2>/dev/null
-echo "== server check"; grep -A2 "ready after\|refused alone" "$OUT/serve_check.txt" 2>/dev/null | head -12
-echo "== GPU tests"; tail -1 "$OUT/gpu_engine_tests.txt"
-echo "== prefill attention"; tail -9 "$OUT/bench_prefill_attention.txt"
-for processes in 4 0; do
-  echo "== engine profile, adapter_load_processes=$processes"; grep "^== " "$OUT/profile_processes_$processes.txt"
-done
+WORK=/tmp/unmeasured_$PART
+mkdir -p "$WORK"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+case "$PART" in
+server)
+  # one pytest call per directory: collected together on the H200 image, test_lora_kernels.py
+  # did not see its conftest's `device` fixture
+  TRITON_INTERPRET=0 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_engine_kernels.py \
+    > "$WORK/gpu_tests_engine.txt" 2>&1
+  TRITON_INTERPRET=0 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_prefill_attention.py \
+    > "$WORK/gpu_tests_prefill_attention.txt" 2>&1
+  PERF_ANALYZER=1 SATURATION=${SATURATION:-12} DURATION=${DURATION:-15} timeout 330 \
+    bash perf/h200/server_latency.sh "$WORK/server" > "$WORK/server_latency.txt" 2>&1
+  {
+    echo "== GPU tests"; tail -n 1 "$WORK"/gpu_tests_*.txt
+    echo "== server"; grep -E "ready after|saturation \|" "$WORK/server_latency.txt" | sort -u
+    echo "== stub crash, if any"; grep -B2 -A30 "Fatal Python error" "$WORK/server/server.log" | head -60
+    echo "== perf_analyzer"; grep -E "^== |Throughput|latency|failed" "$WORK/server/perf_analyzer.txt" | head -30
+  } > "$OUT/server.txt" 2>&1
+  ;;
+peft)
+  timeout 560 python3 -m perf.headline --shape llama3-8b --out "$WORK/headline" --adapters 100 --rate 24 \
+    --duration 12 --drain 15 --peft-duration ${PEFT_DURATION:-60} --max-num-seqs 128 --admit-every-steps 4 \
+    > "$WORK/headline.txt" 2>&1
+  tr '\r' '\n' < "$WORK/headline.txt" | grep -v "req/s\]$\|it/s\]$" | tail -n 25 > "$OUT/peft.txt"
+  ;;
+steps)
+  timeout 150 python3 perf/bench_decode_step.py --shape llama3-8b --batch 64 --context 512 --adapters 0,8,32,64 \
+    --out "$WORK" > "$WORK/decode_step.txt" 2>&1
+  timeout 240 python3 -m perf.bench_moe_step > "$WORK/moe_step.txt" 2>&1
+  timeout 120 python3 perf/bench_sgmv_prefill.py --out "$WORK/sgmv.json" > "$WORK/sgmv.txt" 2>&1
+  { echo "== decode step"; tail -n 8 "$WORK/decode_step.txt"; echo "== MoE step"; tail -n 20 "$WORK/moe_step.txt"; } \
+    > "$OUT/steps.txt" 2>&1
+  ;;
+*)
+  echo "unknown part $PART (server, peft or steps)"; exit 2
+  ;;
+esac
+tar czf "$OUT/$PART.tgz" -C /tmp "unmeasured_$PART" 2>/dev/null
+cat "$OUT/$PART.txt"

@@ -13,6 +13,7 @@ Metrics: generator_metrics.MetricsObserver (pb_utils.MetricFamily), the engine's
 
 from __future__ import annotations
 
+import faulthandler
 import itertools
 import json
 import traceback
@@ -96,6 +97,9 @@ def adapter_label_limit(parameters: dict) -> int:
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
+        # a crash of this stub (a signal in native code) otherwise shows only as "Stub process is not
+        # healthy" on the requests: write every thread's Python stack to the server's log instead
+        faulthandler.enable(all_threads=True)
         parameters = json.loads(args["model_config"]).get("parameters", {})
         config = engine_config(parameters, args.get("model_instance_kind", ""), args.get("model_instance_device_id"))
         self.metrics = self._create_metrics(adapter_label_limit(parameters))
