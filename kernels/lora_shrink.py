@@ -24,15 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_meta import (
-    FLOAT_DTYPES,
-    SegmentMeta,
-    cdiv,
-    check_segments,
-    check_shape,
-    check_tensor,
-    sgmv_block_m,
-)
+from kernels.lora_meta import FLOAT_DTYPES, SegmentMeta, cdiv, check_segments, check_shape, check_tensor, sgmv_block_m
 
 __all__ = ["lora_shrink", "shrink_config"]
 

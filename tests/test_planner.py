@@ -87,40 +87,38 @@ def _safetensors_header(adapter: Path) -> int:
         return 8 + struct.unpack("<Q", f.read(8))[0]
 
 
+@pytest.fixture
+def sized_on_gpu(base, monkeypatch):
+    """An engine built on the CPU whose pool sizing then believes it is on a GPU with the free bytes given."""
+    engine = Engine(EngineConfig(model_dir=str(base), num_kv_pages=4, page_size=PAGE_SIZE, cuda_graphs=False),
+                    start=False)
+    engine.config.num_kv_pages = None
+    engine.device = "cuda"
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: None)
+
+    def with_free(free: int) -> Engine:
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (free, 2 * free))
+        return engine
+
+    yield with_free
+    engine.shutdown()
+
+
 @pytest.mark.parametrize("free_gib", [10, 80, 139])
-def test_pool_pages_from_free_is_the_engines_rule(base, monkeypatch, free_gib):
+def test_pool_pages_from_free_is_the_engines_rule(sized_on_gpu, free_gib):
     """For the same free bytes, the engine (on CUDA, num_kv_pages unset) sizes its pool as the planner says."""
     free = free_gib * 2**30
-    engine = Engine(EngineConfig(model_dir=str(base), num_kv_pages=4, page_size=PAGE_SIZE, cuda_graphs=False),
-                    start=False)
-    try:
-        engine.config.num_kv_pages = None
-        engine.device = "cuda"
-        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-        monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: None)
-        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (free, 2 * free))
-        psize = page_bytes(engine.model_config, PAGE_SIZE, engine.dtype)
-        expected = sizing.pool_pages_from_free(free, engine.config.gpu_memory_fraction, psize)
-        assert engine._num_pages() == expected
-    finally:
-        engine.shutdown()
+    engine = sized_on_gpu(free)
+    psize = page_bytes(engine.model_config, PAGE_SIZE, engine.dtype)
+    assert engine._num_pages() == sizing.pool_pages_from_free(free, engine.config.gpu_memory_fraction, psize)
 
 
-def test_too_little_free_gpu_memory_is_refused_with_the_numbers(base, monkeypatch):
+def test_too_little_free_gpu_memory_is_refused_with_the_numbers(sized_on_gpu):
     """A pool that cannot hold one max_model_len request beside one max-rank adapter stops start-up with
     the free memory and the knobs to turn, instead of serving from a 1-page pool that refuses everything."""
-    engine = Engine(EngineConfig(model_dir=str(base), num_kv_pages=4, page_size=PAGE_SIZE, cuda_graphs=False),
-                    start=False)
-    try:
-        engine.config.num_kv_pages = None
-        engine.device = "cuda"
-        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-        monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: None)
-        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (2 * 2**30, 80 * 2**30))
-        with pytest.raises(RuntimeError, match=r"2\.0 GiB free.*max_model_len"):
-            engine._num_pages()
-    finally:
-        engine.shutdown()
+    with pytest.raises(RuntimeError, match=r"2\.0 GiB free.*max_model_len"):
+        sized_on_gpu(2 * 2**30)._num_pages()
 
 
 def test_plan_capacity_numbers(base):
