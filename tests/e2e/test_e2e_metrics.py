@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -73,6 +74,7 @@ class _NoMetricsPb:
 
 
 def _value(observer, family, **labels):
+    observer.flush()
     return observer.metric(family, **labels).value
 
 
@@ -91,11 +93,40 @@ def test_observer_records_and_bounds_adapter_labels():
     obs.next_token("a", 0.02)
     obs.request_finished("a", 7, 3, "length")
     obs.adapter_loaded("a", 0.5)
-    assert _value(obs, "manylora_prompt_tokens_total", adapter="a") == 7
+    assert _value(obs, "manylora_prompt_tokens_total", adapter="a") == 7  # flushes
     assert obs.metric("manylora_time_to_first_token_seconds", adapter="a").observed == [0.2]
     assert obs.metric("manylora_adapter_load_seconds").observed == [0.5]
     labels = {tuple(sorted(m.labels.items())) for f in _FakeFamily.created for m in f.metrics}
     assert len({dict(lab).get("adapter") for lab in labels} - {None}) <= 2 + 2  # a, b + base, other
+
+
+def test_callbacks_make_no_metric_calls_until_the_poller_flushes():
+    """The engine thread's callbacks only buffer: every pb_utils call (a round trip to the server process)
+    happens in flush(), on the poller's thread, with counters summed per series."""
+    obs = gm.MetricsObserver(_FakePb)
+    calls = []
+    families = list(obs._families.values())
+    created = sum(len(f.metrics) for f in families)
+    for family in families:
+        for metric in family.metrics:
+            for op in ("increment", "observe", "set"):
+                real = getattr(metric, op)
+                setattr(metric, op, lambda v, real=real, op=op: (calls.append(op), real(v)))
+    engine_thread = threading.Thread(target=lambda: [
+        (obs.request_arrived("a"), obs.first_token("a", 0.01, 0.1), obs.next_token("a", 0.02),
+         obs.request_finished("a", 5, 2, "length")) for _ in range(50)])
+    engine_thread.start()
+    engine_thread.join()
+    assert calls == [] and all(not m.value and not m.observed for f in families for m in f.metrics)
+    assert sum(len(f.metrics) for f in families) == created, "no series created from the engine thread either"
+    gm.StatsPoller(lambda: {}, obs).poll()
+    assert _value(obs, "manylora_requests_total", adapter="a") == 50
+    assert _value(obs, "manylora_output_tokens_total", adapter="a") == 100
+    assert obs.metric("manylora_inter_token_latency_seconds", adapter="a").observed == [0.02] * 50
+    # one increment per counter series, not one per event
+    assert obs.metric("manylora_requests_total", adapter="a").value == 50
+    obs.flush()  # nothing pending: no calls
+    assert _value(obs, "manylora_requests_total", adapter="a") == 50
 
 
 def test_observer_stats_gauges_and_counter_deltas():
@@ -226,6 +257,7 @@ def test_adapter_label_cardinality_is_bounded(admin_server):
     client = admin_server.client()
     for adapter in sorted(admin_server.catalogue):  # 4 adapters
         client.generate("The river", adapter=adapter, max_tokens=2)
+    time.sleep(1.2)  # the poller flushes the buffered events every 0.5 s
     samples = scrape(admin_server)
     labels = {dict(lab).get("adapter") for name, lab in samples if name == "manylora_requests_total"}
     assert "other" in labels and len(labels - {"other", "base"}) <= 3, labels

@@ -1,9 +1,13 @@
 """Prometheus metrics of the generator, through the Python backend's custom metrics API.
 
 MetricsObserver is the engine's EngineObserver: its callbacks run on the engine thread (and
-adapter loads on the loader threads), so each one is a dict lookup and a MetricFamily call,
-and none raises. Gauges and the adapter-tier counters come from Engine.stats(), polled by
-a background thread (StatsPoller); counters advance by the deltas between polls.
+adapter loads on the loader threads). Every pb_utils metric call is a message to the server
+process and a wait for its answer, so the callbacks make none: they append to a buffer (a list
+append under a lock), and the stats poller's thread (StatsPoller) flushes it every interval,
+counters summed per series, histogram values observed one by one. The engine thread never waits
+on the server process, and the metric calls come from one thread. Gauges and the adapter-tier
+counters come from Engine.stats(), polled by the same thread; counters advance by the deltas
+between polls. Nothing here raises into the engine.
 
 The Triton API is passed in (``pb_utils``), so tests can hand in a fake.
 """
@@ -68,9 +72,11 @@ class MetricsObserver:
             kind_value = getattr(pb_utils.MetricFamily, kind)
             self._families[name] = pb_utils.MetricFamily(name=name, description=description, kind=kind_value)
         self._metrics: dict[tuple, object] = {}
-        # Metric calls come from the engine thread, the adapter loaders, the stats poller and execute();
-        # each is a message to the server process, so they go one at a time.
+        # pb_utils calls (creation, flush, stats) go one at a time
         self._lock = threading.RLock()
+        # (family, labels, "increment" | "observe", value) recorded by the callbacks, applied by flush()
+        self._pending: list[tuple[str, dict, str, float]] = []
+        self._pending_lock = threading.Lock()
         self._errors_reported = 0
         self._labelled: set[str] = set()  # adapters with their own label (at most adapter_labels)
         for name in FAMILIES:  # series without labels exist from the start
@@ -99,14 +105,46 @@ class MetricsObserver:
                     self._metrics[key] = metric
         return metric
 
+    def _report(self, e: Exception) -> None:
+        if self._errors_reported < 5:
+            self._errors_reported += 1
+            self._on_error(f"generator metrics: {type(e).__name__}: {e}")
+
     def _safe(self, fn: Callable[[], None]) -> None:
+        """Run a callback's bookkeeping (pure Python, no pb_utils call); never raise."""
         try:
-            with self._lock:
-                fn()
+            fn()
         except Exception as e:  # noqa: BLE001 - metrics must never break the engine thread
-            if self._errors_reported < 5:
-                self._errors_reported += 1
-                self._on_error(f"generator metrics: {type(e).__name__}: {e}")
+            self._report(e)
+
+    def _record(self, family: str, op: str, value: float, **labels: str) -> None:
+        with self._pending_lock:
+            self._pending.append((family, labels, op, value))
+
+    def flush(self) -> None:
+        """Apply what the callbacks recorded since the last flush: one increment per counter series,
+        one observe per histogram value. Called by the poller's thread."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
+        if not pending:
+            return
+        increments: dict[tuple, float] = {}
+        for family, labels, op, value in pending:
+            if op == "increment":
+                key = (family, *sorted(labels.items()))
+                increments[key] = increments.get(key, 0.0) + value
+        with self._lock:
+            for family, labels, op, value in pending:
+                try:
+                    if op == "observe":
+                        self.metric(family, **labels).observe(value)
+                except Exception as e:  # noqa: BLE001 - one bad value must not stop the rest
+                    self._report(e)
+            for (family, *labels), total in increments.items():
+                try:
+                    self.metric(family, **dict(labels)).increment(total)
+                except Exception as e:  # noqa: BLE001
+                    self._report(e)
 
     # -- EngineObserver --------------------------------------------------------------------
     def request_arrived(self, adapter: str | None) -> None:
@@ -114,39 +152,41 @@ class MetricsObserver:
             label = self.labels(adapter)
             if adapter and label == adapter:
                 self._labelled.add(adapter)
-            self.metric("manylora_requests_total", adapter=label).increment(1)
+            self._record("manylora_requests_total", "increment", 1, adapter=label)
 
         self._safe(record)
 
     def request_failed(self, adapter: str | None, code: str) -> None:
         def record() -> None:
             labels = {"adapter": self._failed_label(adapter), "code": str(code)}
-            self.metric("manylora_request_errors_total", **labels).increment(1)
+            self._record("manylora_request_errors_total", "increment", 1, **labels)
 
         self._safe(record)
 
     def first_token(self, adapter: str | None, queue_s: float, ttft_s: float) -> None:
         def record() -> None:
             label = self.labels(adapter)
-            self.metric("manylora_queue_time_seconds", adapter=label).observe(max(0.0, float(queue_s)))
-            self.metric("manylora_time_to_first_token_seconds", adapter=label).observe(max(0.0, float(ttft_s)))
+            queue, ttft = max(0.0, float(queue_s)), max(0.0, float(ttft_s))
+            self._record("manylora_queue_time_seconds", "observe", queue, adapter=label)
+            self._record("manylora_time_to_first_token_seconds", "observe", ttft, adapter=label)
 
         self._safe(record)
 
     def next_token(self, adapter: str | None, itl_s: float) -> None:
-        self._safe(lambda: self.metric("manylora_inter_token_latency_seconds", adapter=self.labels(adapter))
-                   .observe(max(0.0, float(itl_s))))
+        self._safe(lambda: self._record("manylora_inter_token_latency_seconds", "observe", max(0.0, float(itl_s)),
+                                        adapter=self.labels(adapter)))
 
     def request_finished(self, adapter: str | None, prompt_tokens: int, output_tokens: int, reason: str) -> None:
         def record() -> None:
             label = self.labels(adapter)
-            self.metric("manylora_prompt_tokens_total", adapter=label).increment(int(prompt_tokens))
-            self.metric("manylora_output_tokens_total", adapter=label).increment(int(output_tokens))
+            prompt, output = int(prompt_tokens), int(output_tokens)
+            self._record("manylora_prompt_tokens_total", "increment", prompt, adapter=label)
+            self._record("manylora_output_tokens_total", "increment", output, adapter=label)
 
         self._safe(record)
 
     def adapter_loaded(self, adapter: str, seconds: float) -> None:
-        self._safe(lambda: self.metric("manylora_adapter_load_seconds").observe(max(0.0, float(seconds))))
+        self._safe(lambda: self._record("manylora_adapter_load_seconds", "observe", max(0.0, float(seconds))))
 
     # -- from Engine.stats() ----------------------------------------------------------------
     def record_stats(self, stats: dict, previous: dict) -> None:
@@ -175,7 +215,8 @@ class MetricsObserver:
 
 
 class StatsPoller:
-    """Polls ``stats()`` every ``interval`` seconds into ``observer.record_stats`` (daemon thread)."""
+    """Every ``interval`` seconds (daemon thread): flushes the observer's buffered events and polls
+    ``stats()`` into ``observer.record_stats``."""
 
     def __init__(self, stats: Callable[[], dict], observer: MetricsObserver, interval: float = 0.5,
                  on_error: Callable[[str], None] | None = None) -> None:
@@ -190,6 +231,7 @@ class StatsPoller:
         return self
 
     def poll(self) -> None:
+        self._observer.flush()
         stats = self._stats()
         self._observer.record_stats(stats, self._previous)
         self._previous = {k: stats[k] for k in STATS_COUNTERS if k in stats}
