@@ -57,5 +57,7 @@ if [ "${PERF_ANALYZER:-0}" = 1 ]; then  # perf_analyzer against the same server 
   CONCURRENCY="${PA_CONCURRENCY:-16}" RATES="${PA_RATES:-4}" MEASURE_MS="${PA_MEASURE_MS:-5000}" \
     bash perf/perf_analyzer/run.sh > "$OUT/perf_analyzer.txt" 2>&1
 fi
+# every thread's stack of the generator's stub into server.log (faulthandler, registered by the model)
+pkill -USR1 -f "triton_python_backend_stub.*generator" 2>/dev/null && sleep 2
 kill $SERVER; wait $SERVER 2>/dev/null
 cat "$OUT"/summary.md 2>/dev/null || ls "$OUT"

@@ -30,6 +30,7 @@ server)
     echo "== GPU tests"; tail -n 1 "$WORK"/gpu_tests_*.txt
     echo "== server"; grep -E "ready after|saturation \|" "$WORK/server_latency.txt" | sort -u
     echo "== stub crash, if any"; grep -B2 -A30 "Fatal Python error" "$WORK/server/server.log" | head -60
+    echo "== stub threads at the end (SIGUSR1)"; grep -A12 "^Thread 0x\|^Current thread" "$WORK/server/server.log" | head -80
     echo "== perf_analyzer"; grep -E "^== |Throughput|latency|failed" "$WORK/server/perf_analyzer.txt" | head -30
   } > "$OUT/server.txt" 2>&1
   ;;

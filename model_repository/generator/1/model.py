@@ -13,9 +13,11 @@ Metrics: generator_metrics.MetricsObserver (pb_utils.MetricFamily), the engine's
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import itertools
 import json
+import signal
 import traceback
 from collections import Counter
 
@@ -100,6 +102,9 @@ class TritonPythonModel:
         # a crash of this stub (a signal in native code) otherwise shows only as "Stub process is not
         # healthy" on the requests: write every thread's Python stack to the server's log instead
         faulthandler.enable(all_threads=True)
+        # `kill -USR1 <stub pid>` writes every thread's stack too (a hung stub is also "not healthy")
+        with contextlib.suppress(ValueError, AttributeError, RuntimeError):  # not the main thread / no SIGUSR1
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
         parameters = json.loads(args["model_config"]).get("parameters", {})
         config = engine_config(parameters, args.get("model_instance_kind", ""), args.get("model_instance_device_id"))
         self.metrics = self._create_metrics(adapter_label_limit(parameters))
