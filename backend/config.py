@@ -29,6 +29,7 @@ class EngineConfig:
         kernels: "auto" (Triton kernels for LoRA and decode attention on CUDA, torch on
             the CPU), "triton" or "torch".
         fuse_add_norm: on the kernel path, residual add + RMSNorm as one Triton kernel (off: torch ops).
+        fuse_silu_mul: on the kernel path, the MLP's silu(gate) * up as one Triton kernel (off: torch ops).
         prefill_attention: "sdpa" (each prefill chunk through torch's fused attention over its
             gathered cache) or "paged" (prefill tokens join the decode rows in the paged-attention
             kernel: one launch per layer for the whole step, no gathers; keys are re-read per query
@@ -86,6 +87,7 @@ class EngineConfig:
     kernels: str = "auto"
     prefill_attention: str = "sdpa"
     fuse_add_norm: bool = True
+    fuse_silu_mul: bool = True
     cuda_graphs: bool = True
     warmup: bool = True
     allow_runtime_adapters: bool = field(default_factory=lambda: _env_flag("MANYLORA_ALLOW_RUNTIME_ADAPTERS"))

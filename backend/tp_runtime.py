@@ -72,6 +72,7 @@ class TensorParallelSetup:
     max_cpu_loras: int | None
     use_kernels: bool
     fuse_add_norm: bool
+    fuse_silu_mul: bool
     rehash_adapters: bool
     adapter_load_workers: int
     adapter_load_processes: int
@@ -105,6 +106,7 @@ def load_rank_model(setup: TensorParallelSetup, cfg: ModelConfig, rank: int) -> 
                             shard=lambda name, t: shard_tensor(name, t, cfg, rank, setup.tp_size))
     model.use_kernels = setup.use_kernels
     model.fuse_add_norm = setup.fuse_add_norm
+    model.fuse_silu_mul = setup.fuse_silu_mul
     model.comm = Comm(rank=rank, size=setup.tp_size)
     return model
 

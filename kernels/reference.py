@@ -13,7 +13,7 @@ import torch
 
 from kernels.lora_meta import SegmentMeta
 
-__all__ = ["ref_lora_shrink", "ref_lora_expand", "ref_paged_decode_attention", "ref_add_rms_norm"]
+__all__ = ["ref_lora_shrink", "ref_lora_expand", "ref_paged_decode_attention", "ref_add_rms_norm", "ref_silu_mul"]
 
 
 def _gather_rows(pool: torch.Tensor, offsets: torch.Tensor, length: int) -> torch.Tensor:
@@ -244,3 +244,9 @@ def ref_add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.
     xf = s.float()
     out = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return out, s
+
+
+def ref_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Reference of ``kernels.silu_mul.silu_mul``: the model's unfused ``F.silu(gate) * up``."""
+    gate, up = gate_up.split(gate_up.shape[1] // 2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

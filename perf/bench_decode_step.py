@@ -120,6 +120,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--norm", choices=["fused", "torch"], default="fused",
                     help="residual add + RMSNorm as the engine's kernel path runs it (fused), or as torch ops")
+    ap.add_argument("--silu-mul", choices=["fused", "torch"], default="fused",
+                    help="the MLP's silu(gate) * up as the engine's kernel path runs it (fused), or as torch ops")
     ap.add_argument("--out", default=os.environ.get("OUT", "perf/results"))
     args = ap.parse_args()
     device, dtype = "cuda", torch.bfloat16
@@ -129,8 +131,10 @@ def main() -> None:
 
     bandwidth = copy_bandwidth(device)
     model = random_model(cfg, args.context + 64, device, dtype)
-    model.use_kernels = args.norm == "fused"  # as the engine sets it on its kernel path
-    print(f"residual add + RMSNorm: {args.norm}")
+    # as the engine sets them on its kernel path
+    model.use_kernels = args.norm == "fused" or args.silu_mul == "fused"
+    model.fuse_add_norm, model.fuse_silu_mul = args.norm == "fused", args.silu_mul == "fused"
+    print(f"residual add + RMSNorm: {args.norm}; silu(gate) * up: {args.silu_mul}")
     blocks = -(-(args.context + 1) // args.page_size)
     probe = UnifiedPool(cfg, 1, args.page_size, dtype, device)
     one = random_adapter("probe", cfg, args.rank, probe, args.rank)

@@ -79,12 +79,13 @@ class LlamaModel:
     """Weights on one device and a forward pass over a flat batch of tokens.
 
     ``use_kernels`` (set by the engine on its kernel path) runs the residual add + RMSNorm as one
-    Triton kernel unless ``fuse_add_norm`` is off; the decode attention kernel is chosen by the batch
-    (``StepBatch.decode``).
+    Triton kernel unless ``fuse_add_norm`` is off, and the MLP's silu(gate) * up as one unless
+    ``fuse_silu_mul`` is off; the decode attention kernel is chosen by the batch (``StepBatch.decode``).
     """
 
     use_kernels: bool = False
     fuse_add_norm: bool = True
+    fuse_silu_mul: bool = True
     comm: Comm | None = None  # a tensor-parallel rank's collectives (backend/tp_runtime.py); None: one device
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], max_len: int, device: str,
@@ -183,12 +184,20 @@ class LlamaModel:
         gate_up = F.linear(x, w.gate_up, w.gate_up_bias)
         if lora is not None:
             lora.apply(x, gate_up, i, GATE_UP, (cfg.intermediate_size,) * 2)
-        gate, up = gate_up.split(cfg.intermediate_size, dim=-1)
-        act = F.silu(gate) * up
+        act = self._silu_mul(gate_up)
         down = F.linear(act, w.down, w.down_bias if self.comm is None else None)
         if lora is not None:
             lora.apply(act, down, i, ("down_proj",), (cfg.hidden_size,))
         return self._reduce(down, w.down_bias)
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of the fused gate/up output [T, 2I]: one Triton kernel on the kernel path."""
+        if self.use_kernels and self.fuse_silu_mul:
+            from kernels.silu_mul import silu_mul
+
+            return silu_mul(gate_up)
+        gate, up = gate_up.split(gate_up.shape[1] // 2, dim=-1)
+        return F.silu(gate) * up
 
     def _reduce(self, partial: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """A row-parallel projection's output (o_proj, down_proj). One device: the output itself. A

@@ -5,8 +5,9 @@
 #                                              # SATURATION (default 12 req/s) with perf_analyzer     ~6 min
 #   bash perf/h200/unmeasured.sh peft $OUT     # engine n=100 vs PEFT mixed and one-at-a-time, 60 s PEFT
 #                                              # runs (the 30x ratio; PEFT loads ~94 adapters in ~225 s) ~8 min
-#   bash perf/h200/unmeasured.sh steps $OUT    # whole-model decode step (dense, fused norm) and the MoE
-#                                              # step (no LoRA / fused / unfused), kernel benches        ~6 min
+#   bash perf/h200/unmeasured.sh steps $OUT    # whole-model decode step with the elementwise fusions on and
+#                                              # off, the MoE step (no LoRA / fused / unfused), the
+#                                              # segmented kernels, an engine profile with a trace       ~9 min
 # A device call returns only a handful of files: each part writes one log and one .tgz of the rest, and
 # prints a short table last.
 set -u
@@ -41,12 +42,17 @@ peft)
   tr '\r' '\n' < "$WORK/headline.txt" | grep -v "req/s\]$\|it/s\]$" | tail -n 25 > "$OUT/peft.txt"
   ;;
 steps)
-  timeout 150 python3 perf/bench_decode_step.py --shape llama3-8b --batch 64 --context 512 --adapters 0,8,32,64 \
-    --out "$WORK" > "$WORK/decode_step.txt" 2>&1
-  timeout 240 python3 -m perf.bench_moe_step > "$WORK/moe_step.txt" 2>&1
-  timeout 120 python3 perf/bench_sgmv_prefill.py --out "$WORK/sgmv.json" > "$WORK/sgmv.txt" 2>&1
-  { echo "== decode step"; tail -n 8 "$WORK/decode_step.txt"; echo "== MoE step"; tail -n 20 "$WORK/moe_step.txt"; } \
-    > "$OUT/steps.txt" 2>&1
+  for fused in fused torch; do  # the elementwise fusions (add + RMSNorm, silu * up) on and off, same call
+    timeout 80 python3 perf/bench_decode_step.py --shape llama3-8b --batch 64 --context 512 --adapters 0,8,32,64 \
+      --norm $fused --silu-mul $fused --out "$WORK/$fused" > "$WORK/decode_step_$fused.txt" 2>&1
+  done
+  timeout 170 python3 -m perf.profile_engine --shape llama3-8b --adapters 0 100 --rate 24 --duration 12 --drain 12 \
+    --admit-every-steps 4 --trace-steps 2 --trace-min-adapters 16 --out "$WORK/profile" > "$WORK/profile.txt" 2>&1
+  timeout 150 python3 -m perf.bench_moe_step > "$WORK/moe_step.txt" 2>&1
+  timeout 90 python3 perf/bench_sgmv_prefill.py --out "$WORK/sgmv.json" > "$WORK/sgmv.txt" 2>&1
+  { for fused in fused torch; do echo "== decode step, elementwise $fused"; tail -n 8 "$WORK/decode_step_$fused.txt"; done
+    echo "== MoE step"; tail -n 20 "$WORK/moe_step.txt"
+    echo "== engine profile (trace in the tgz)"; grep -A3 "^== " "$WORK/profile.txt"; } > "$OUT/steps.txt" 2>&1
   ;;
 *)
   echo "unknown part $PART (server, peft or steps)"; exit 2

@@ -19,13 +19,13 @@ from model_factory import assert_pool_drained, make_base, peft_greedy, write_ran
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-@pytest.mark.parametrize("family, prefill_attention, fuse_add_norm", [
+@pytest.mark.parametrize("family, prefill_attention, fused", [
     ("llama", "sdpa", True), ("qwen3", "sdpa", True), ("llama", "paged", True), ("mistral", "paged", True),
     ("qwen3", "sdpa", False)])
-def test_kernel_path_matches_peft(tmp_path, device, family, prefill_attention, fuse_add_norm):
+def test_kernel_path_matches_peft(tmp_path, device, family, prefill_attention, fused):
     """Mixed adapters/ranks/base requests; prefill chunks through torch's attention or as rows of the
     paged kernel (Mistral: its sliding window sends tokens past the window back to torch); residual
-    add + RMSNorm fused or as torch ops."""
+    add + RMSNorm and silu(gate) * up fused or as torch ops."""
     extra = {"qwen3": {"head_dim": 24}, "mistral": {"sliding_window": 10}}.get(family, {})
     base = make_base(tmp_path / "base", family, seed=31, **extra)
     rng = random.Random(family)
@@ -35,8 +35,8 @@ def test_kernel_path_matches_peft(tmp_path, device, family, prefill_attention, f
                                                      targets=rng.sample(ALL, rng.randint(1, 7)), seed=40 + i))
     engine = Engine(EngineConfig(model_dir=str(base), adapters=adapters, device=device, dtype="float32",
                                  kernels="triton", max_lora_rank=16, page_size=8, prefill_attention=prefill_attention,
-                                 fuse_add_norm=fuse_add_norm))
-    assert engine.model.fuse_add_norm is fuse_add_norm
+                                 fuse_add_norm=fused, fuse_silu_mul=fused))
+    assert engine.model.fuse_add_norm is fused and engine.model.fuse_silu_mul is fused
     try:
         names = [None, *adapters]
         cases = []

@@ -1,0 +1,71 @@
+"""SwiGLU's activation in one kernel: ``silu(gate) * up`` from the fused gate/up projection's output.
+
+The unfused torch ops (``F.silu(gate) * up``) read gate, write silu(gate), read it back with up and
+write the product: with T = 4,096 tokens and the Llama-3-8B MLP (14,336 wide) that is 1.2 GB a
+layer moved; this kernel reads gate and up once and writes the product once (0.7 GB). Numerics
+follow those torch ops: silu computed in float32 from the activation dtype and rounded to it, then
+the product computed in float32 and rounded again.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.lora_meta import FLOAT_DTYPES, cdiv, check_tensor
+
+__all__ = ["silu_mul"]
+
+BLOCK = 1024
+
+
+@triton.jit
+def _silu_mul_kernel(
+    gate_up_ptr,  # [T, 2 * I]: gate in columns [0, I), up in [I, 2I)
+    out_ptr,  # [T, I]
+    width,  # I
+    stride_g,
+    stride_o,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    gate = tl.load(gate_up_ptr + row * stride_g + cols, mask=mask, other=0.0)
+    up = tl.load(gate_up_ptr + row * stride_g + width + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # rounded as F.silu's result is
+    y = (silu.to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate_up[:, :I]) * gate_up[:, I:]`` as a new contiguous [T, I] tensor.
+
+    Semantics::
+
+        gate, up = gate_up.split(I, dim=-1)                  # I = gate_up.shape[1] // 2
+        out = (F.silu(gate.float()).to(dtype).float() * up.float()).to(dtype)
+
+    Args:
+        gate_up: [T, 2 * I] fp16/bf16/fp32, unit column stride (any row stride).
+
+    Returns:
+        out [T, I], contiguous, of gate_up's dtype.
+    """
+    check_tensor("gate_up", gate_up, dtype=FLOAT_DTYPES, dims=2)
+    num_rows, both = gate_up.shape
+    if both % 2:
+        raise ValueError(f"gate_up must have an even number of columns (gate then up), got {both}")
+    if gate_up.stride(1) != 1:
+        raise ValueError(f"gate_up must have unit stride along its columns, got strides {gate_up.stride()}")
+    width = both // 2
+    out = torch.empty((num_rows, width), dtype=gate_up.dtype, device=gate_up.device)
+    if num_rows == 0 or width == 0:
+        return out
+    block = min(BLOCK, triton.next_power_of_2(width))
+    _silu_mul_kernel[(num_rows, cdiv(width, block))](
+        gate_up, out, width, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4,
+    )  # fmt: skip
+    return out
