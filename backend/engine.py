@@ -40,13 +40,7 @@ from backend.resolvers import load_resolvers
 from backend.sampling import make_generator, sample_next
 from backend.scheduler import Scheduler
 from backend.sequence import Sequence
-from backend.sizing import (
-    GPU_MARGIN_BYTES,
-    adapter_pages,
-    free_device_bytes,
-    host_cache_bytes,
-    pool_pages_from_free,
-)
+from backend.sizing import adapter_pages, gpu_pool_pages, host_cache_bytes
 from backend.step_builder import StepBuilder
 from backend.tensor_parallel import local_config
 from backend.tp_runtime import (
@@ -222,17 +216,9 @@ class Engine:
         if c.num_kv_pages:
             return c.num_kv_pages
         if self.device.startswith("cuda"):
-            free = free_device_bytes()
-            pages = pool_pages_from_free(free, c.gpu_memory_fraction, size)
-            needed = -(-self.max_len // c.page_size) + self._max_rank_adapter_pages()
-            if pages < needed:
-                raise RuntimeError(
-                    f"the GPU has {free / 2**30:.1f} GiB free after the weights; a pool of "
-                    f"{c.gpu_memory_fraction:.0%} of it less {GPU_MARGIN_BYTES / 2**30:.0f} GiB holds {pages} pages of "
-                    f"{size} bytes, fewer than the {needed} one request of max_model_len {self.max_len} and one "
-                    f"rank-{c.max_lora_rank} adapter need: free GPU memory (other processes?), raise "
-                    f"gpu_memory_fraction, or lower max_model_len / max_lora_rank")
-            return pages
+            return gpu_pool_pages(c.gpu_memory_fraction, size, -(-self.max_len // c.page_size),
+                                  self._max_rank_adapter_pages(),
+                                  f"max_model_len {self.max_len} and one rank-{c.max_lora_rank} adapter")
         kv_pages = c.max_num_seqs * -(-self.max_len // c.page_size)
         return max(1, min(kv_pages + c.max_loras * self._max_rank_adapter_pages(), CPU_POOL_BYTES_CAP // size))
 

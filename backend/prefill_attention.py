@@ -22,6 +22,7 @@ key positions point into the sequence's first page, are masked, and are zeroed a
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -113,29 +114,20 @@ def attend(q: torch.Tensor, out: torch.Tensor, layer: int, kv_storage: torch.Ten
     """
     heads, kv_heads = q.shape[1], kv_storage.shape[-2]
     expand = q.is_cuda and heads != kv_heads
-    if q.is_cuda:
-        with sdpa_kernel(CUDA_BACKENDS):
-            _attend_groups(q, out, layer, kv_storage, groups, scale, expand)
-    else:
-        _attend_groups(q, out, layer, kv_storage, groups, scale, expand)
-
-
-def _attend_groups(q: torch.Tensor, out: torch.Tensor, layer: int, kv_storage: torch.Tensor,
-                   groups: list[PrefillGroup], scale: float, expand: bool) -> None:
-    heads, kv_heads = q.shape[1], kv_storage.shape[-2]
-    for g in groups:
-        s, lq = g.q_rows.shape
-        qs = q[g.q_rows].transpose(1, 2)  # [S, heads, Lq, d]
-        # padding keys read whatever their page holds (another sequence's keys, an adapter's unused
-        # page tail: any bits, NaN included); a masked NaN still poisons the weighted sum: zero them
-        k = kv_storage[g.k_pages, layer, 0, g.k_offsets].masked_fill_(g.k_padding, 0)  # [S, Lk, kv_heads, d]
-        v = kv_storage[g.k_pages, layer, 1, g.k_offsets].masked_fill_(g.k_padding, 0)
-        if expand:
-            k = k.repeat_interleave(heads // kv_heads, dim=2)
-            v = v.repeat_interleave(heads // kv_heads, dim=2)
-        o = F.scaled_dot_product_attention(qs, k.transpose(1, 2), v.transpose(1, 2), attn_mask=g.mask, scale=scale,
-                                           enable_gqa=not expand and heads != kv_heads)
-        out.index_copy_(0, g.dest, o.transpose(1, 2).reshape(s * lq, heads, -1).index_select(0, g.src))
+    with sdpa_kernel(CUDA_BACKENDS) if q.is_cuda else nullcontext():
+        for g in groups:
+            s, lq = g.q_rows.shape
+            qs = q[g.q_rows].transpose(1, 2)  # [S, heads, Lq, d]
+            # padding keys read whatever their page holds (another sequence's keys, an adapter's unused
+            # page tail: any bits, NaN included); a masked NaN still poisons the weighted sum: zero them
+            k = kv_storage[g.k_pages, layer, 0, g.k_offsets].masked_fill_(g.k_padding, 0)  # [S, Lk, kv_heads, d]
+            v = kv_storage[g.k_pages, layer, 1, g.k_offsets].masked_fill_(g.k_padding, 0)
+            if expand:
+                k = k.repeat_interleave(heads // kv_heads, dim=2)
+                v = v.repeat_interleave(heads // kv_heads, dim=2)
+            o = F.scaled_dot_product_attention(qs, k.transpose(1, 2), v.transpose(1, 2), attn_mask=g.mask, scale=scale,
+                                               enable_gqa=not expand and heads != kv_heads)
+            out.index_copy_(0, g.dest, o.transpose(1, 2).reshape(s * lq, heads, -1).index_select(0, g.src))
 
 
 def attend_each(q: torch.Tensor, out: torch.Tensor, layer: int, kv_storage: torch.Tensor,

@@ -64,6 +64,23 @@ def free_device_bytes() -> int:
     return free
 
 
+def gpu_pool_pages(fraction: float, page_size_bytes: int, request_pages: int, adapter_pages: int,
+                   what: str) -> int:
+    """The engine's pool on the current GPU: ``pool_pages_from_free`` of what is free once the weights
+    are loaded. Raises when that cannot hold one request of ``request_pages`` beside one adapter of
+    ``adapter_pages`` (``what`` names them), rather than serving from a pool that refuses everything."""
+    free = free_device_bytes()
+    pages = pool_pages_from_free(free, fraction, page_size_bytes)
+    needed = request_pages + adapter_pages
+    if pages < needed:
+        raise RuntimeError(
+            f"the GPU has {free / 2**30:.1f} GiB free after the weights; a pool of {fraction:.0%} of it less "
+            f"{GPU_MARGIN_BYTES / 2**30:.0f} GiB holds {pages} pages of {page_size_bytes} bytes, fewer than the "
+            f"{needed} one request of {what} need: free GPU memory (other processes?), raise "
+            f"gpu_memory_fraction, or lower max_model_len / max_lora_rank")
+    return pages
+
+
 def synthetic_spec(cfg: ModelConfig, rank: int, targets: tuple[str, ...] = PROJECTIONS,
                    experts: bool = True) -> AdapterSpec:
     """An adapter of one rank on ``targets`` of every layer (for sizing; no files). On an MoE base

@@ -203,7 +203,7 @@ def _expand_config_cached(
             block_n //= 2
         return {"BLOCK_R": block_r, "BLOCK_N": min(block_n, n_cap), "num_warps": 4}
     # H200 sweep (perf/bench_sgmv_prefill.py --sweep, T = 4096, 8 adapters): 32 x 128 tiles, 4 warps
-    block_m = sgmv_block_m(min(max_seg_len, 32))
+    block_m = sgmv_block_m(max_seg_len)
     return {"BLOCK_M": block_m, "BLOCK_R": 16, "BLOCK_N": min(128, n_cap), "num_warps": 4}
 
 

@@ -17,7 +17,9 @@ import torch
 __all__ = ["SegmentMeta", "build_segments"]
 
 
-TILE_BLOCK_MS = (16, 32, 64)  # the BLOCK_M values the launchers' heuristics choose; their tiles are built up front
+# the BLOCK_M values the launchers' heuristics choose (sgmv_block_m): 32-row tiles measured best on the H200
+# (perf/bench_sgmv_prefill.py --sweep); 16 when no segment is longer
+TILE_BLOCK_MS = (16, 32)
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ class SegmentMeta:
 
 
 def _tile_tables(seg_lens: tuple[int, ...], block_ms: tuple[int, ...], device: torch.device) -> dict:
-    """{block_m: int32 [num_tiles, 2] on device}, all tables in one host-to-device copy."""
+    """{block_m: int32 [num_tiles, 2] on device}, the tables in one host-to-device copy."""
     tables = []
     for block_m in block_ms:
         rows, start = [], 0
@@ -90,7 +92,8 @@ def build_segments(token_slots: torch.Tensor, device: torch.device | str | None 
         device: where to put the returned tensors (default: token_slots.device).
 
     Returns:
-        SegmentMeta, with the tile tables of TILE_BLOCK_MS. The segment lengths are read back to the host
+        SegmentMeta, with the tile table the launchers will use (``sgmv_block_m``); another block size's
+        is built on first use. The segment lengths are read back to the host
         (one synchronisation when token_slots lives on the GPU: build it from a CPU tensor when
         the scheduler has one).
     """
@@ -117,7 +120,7 @@ def build_segments(token_slots: torch.Tensor, device: torch.device | str | None 
         max_seg_len=max(seg_lens, default=0),
         num_tokens=num_tokens,
         seg_lens=seg_lens,
-        _tiles=_tile_tables(seg_lens, TILE_BLOCK_MS, device),
+        _tiles=_tile_tables(seg_lens, (sgmv_block_m(max(seg_lens, default=0)),), device),
     )
 
 

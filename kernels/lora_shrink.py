@@ -280,7 +280,7 @@ def _shrink_config_cached(
     # measured on the H200 (perf/bench_sgmv_prefill.py --sweep, T = 4096, 8 adapters, rank 16): 32-row
     # tiles and 64-wide K blocks without a K split beat 64 x 128 with 4 splits by 1.6x (q/k/v) and
     # 1.1x (gate/up); atomics cost more than the extra programs gain once there are ~NUM_SMS tiles
-    block_m = sgmv_block_m(min(max_seg_len, 32))
+    block_m = sgmv_block_m(max_seg_len)
     block_r = min(64, max(16, triton.next_power_of_2(max(1, max_rank))))
     block_k = min(k_cap, 64)
     # tiles: at most one partial tile per segment beyond the rows' own

@@ -3,9 +3,8 @@
 The unfused torch ops (``F.silu(gate) * up``) read gate, write silu(gate), read it back with up and
 write the product: five passes over a [T, I] tensor, 0.59 GB a layer in bf16 with T = 4,096 tokens and
 the Llama-3-8B MLP (I = 14,336); this kernel reads gate and up once and writes the product once:
-three passes, 0.35 GB. Numerics
-follow those torch ops: silu computed in float32 from the activation dtype and rounded to it, then
-the product computed in float32 and rounded again.
+three passes, 0.35 GB. Numerics follow those torch ops: silu computed in float32 from the activation
+dtype and rounded to it, then the product computed in float32 and rounded again.
 """
 
 from __future__ import annotations

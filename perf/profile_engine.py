@@ -118,13 +118,10 @@ class CompileCounter:
 class StepProfiler:
     """Wraps an engine's step phases with synchronising timers; one StepRecord per step."""
 
-    def __init__(self, engine, trace_steps: int = 0, trace_min_adapters: int = 1,
-                 trace_out: Path | None = None) -> None:
+    def __init__(self, engine) -> None:
         self.engine = engine
-        self.trace_steps = trace_steps  # eager steps to record with torch.profiler (kernels and host ops)
-        self.trace_min_adapters = trace_min_adapters
-        self.trace_out = trace_out
-        self.traced = 0
+        # trace_eager_steps(): eager steps to record with torch.profiler (kernels and host ops)
+        self.trace_steps, self.trace_min_adapters, self.trace_out, self.traced = 0, 1, None, 0
         self.records: list[StepRecord] = []
         self.compiles = CompileCounter()
         self._current: StepRecord | None = None
@@ -201,6 +198,11 @@ class StepProfiler:
             return ran
 
         e.step = profiled_step
+
+    def trace_eager_steps(self, steps: int, min_adapters: int, out: Path) -> None:
+        """Record the next ``steps`` eager steps with at least ``min_adapters`` adapters into ``out``."""
+        self.trace_steps, self.trace_min_adapters, self.trace_out, self.traced = steps, min_adapters, out, 0
+        out.unlink(missing_ok=True)
 
     def _maybe_trace(self):
         """A started torch.profiler for this step while traces are wanted and the waiting batch looks
@@ -311,9 +313,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"compile counter: {'on' if profiler.compiles.available else 'not available in this triton'}")
         for n in a.adapters:
             if a.trace_steps and n == a.adapters[-1]:
-                profiler.trace_steps, profiler.trace_min_adapters = a.trace_steps, a.trace_min_adapters
-                profiler.trace_out = out / "trace.txt"
-                profiler.trace_out.unlink(missing_ok=True)
+                profiler.trace_eager_steps(a.trace_steps, a.trace_min_adapters, out / "trace.txt")
             trace = generate_trace(WorkloadConfig(
                 num_adapters=max(n, 1), alpha=1.0, rate=rate, cv=1.0, duration_s=duration,
                 input_range=d["input_range"], output_range=d["output_range"], seed=0, vocab_range=(4, shape.vocab)))

@@ -74,9 +74,10 @@ class MetricsObserver:
         self._metrics: dict[tuple, object] = {}
         # pb_utils calls (creation, flush, stats) go one at a time
         self._lock = threading.RLock()
-        # (family, labels, "increment" | "observe", value) recorded by the callbacks, applied by flush()
+        # (family, labels, "increment" | "observe", value) recorded by the callbacks, applied by flush();
+        # the lock also covers the callbacks' label bookkeeping (engine thread, loaders, execute())
         self._pending: list[tuple[str, dict, str, float]] = []
-        self._pending_lock = threading.Lock()
+        self._pending_lock = threading.RLock()
         self._errors_reported = 0
         self._labelled: set[str] = set()  # adapters with their own label (at most adapter_labels)
         for name in FAMILIES:  # series without labels exist from the start
@@ -92,8 +93,12 @@ class MetricsObserver:
             return "base"
         return adapter if adapter in self._labelled else "other"
 
+    @staticmethod
+    def _key(family: str, labels: dict) -> tuple:
+        return (family, *sorted(labels.items()))
+
     def metric(self, family: str, **labels: str):
-        key = (family, *sorted(labels.items()))
+        key = self._key(family, labels)
         metric = self._metrics.get(key)
         if metric is None:
             with self._lock:
@@ -113,7 +118,8 @@ class MetricsObserver:
     def _safe(self, fn: Callable[[], None]) -> None:
         """Run a callback's bookkeeping (pure Python, no pb_utils call); never raise."""
         try:
-            fn()
+            with self._pending_lock:
+                fn()
         except Exception as e:  # noqa: BLE001 - metrics must never break the engine thread
             self._report(e)
 
@@ -131,7 +137,7 @@ class MetricsObserver:
         increments: dict[tuple, float] = {}
         for family, labels, op, value in pending:
             if op == "increment":
-                key = (family, *sorted(labels.items()))
+                key = self._key(family, labels)
                 increments[key] = increments.get(key, 0.0) + value
         with self._lock:
             for family, labels, op, value in pending:
