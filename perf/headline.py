@@ -121,7 +121,8 @@ def _warm_up(engine) -> None:
 
 def run(cfg: HeadlineConfig, out: Path) -> dict:
     from backend.config import EngineConfig
-    from backend.engine import Engine, resolve_device
+    from backend.devices import resolve_device
+    from backend.engine import Engine
     from perf.baselines import PeftBaselineConfig, PeftTarget, load_peft_model
     from perf.engine_target import EngineTarget
 

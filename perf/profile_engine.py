@@ -259,7 +259,8 @@ class StepProfiler:
 
 def main(argv: list[str] | None = None) -> None:
     from backend.config import EngineConfig
-    from backend.engine import Engine, resolve_device
+    from backend.devices import resolve_device
+    from backend.engine import Engine
     from perf.engine_target import EngineTarget
     from perf.headline import DEFAULTS, _warm_up
 

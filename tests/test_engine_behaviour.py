@@ -181,7 +181,7 @@ def test_queue_limit_refuses_with_unavailable(tmp_path):
 
 def test_instance_device_follows_triton_placement():
     """A KIND_GPU instance's engine runs on the GPU Triton placed it on, unless the device is set."""
-    from backend.engine import instance_device
+    from backend.devices import instance_device
 
     assert instance_device("auto", "GPU", "2") == "cuda:2"
     assert instance_device("", "GPU", 0) == "cuda:0"

@@ -28,7 +28,8 @@ from generator_metrics import close as close_metrics
 
 from backend.catalogue import load_catalogue_file
 from backend.config import EngineConfig
-from backend.engine import Engine, instance_device
+from backend.devices import instance_device
+from backend.engine import Engine
 from backend.errors import ErrorCode, RequestError
 from backend.request import GenerationOutput
 from backend.request_parsing import parse_control, parse_generation
