@@ -33,6 +33,7 @@ from backend.engine import Engine
 from backend.errors import ErrorCode, RequestError
 from backend.request import GenerationOutput
 from backend.request_parsing import parse_control, parse_generation
+from backend.response_tensors import output_arrays
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # config.pbtxt parameters that are not EngineConfig fields: the checkpoint, the catalogue, the
@@ -157,7 +158,7 @@ class TritonPythonModel:
     def _submit(self, request, sender) -> None:
         control = pb_utils.get_input_tensor_by_name(request, "control")
         if control is not None:
-            self._control(parse_control(control.as_numpy()), sender)
+            self._control(parse_control(control.as_numpy()), sender, frozenset(request.requested_output_names()))
             return
         try:
             gen = parse_generation(
@@ -167,9 +168,9 @@ class TritonPythonModel:
             if self.metrics is not None:
                 self.metrics.request_failed(None, e.code.value)
             raise
-        self.engine.submit(gen, _Emitter(sender))
+        self.engine.submit(gen, _Emitter(sender, frozenset(request.requested_output_names())))
 
-    def _control(self, command: dict, sender) -> None:
+    def _control(self, command: dict, sender, requested: frozenset[str]) -> None:
         op = command["op"]
         if op == "list_adapters":
             result = {"adapters": self.engine.list_adapters()}
@@ -184,8 +185,11 @@ class TritonPythonModel:
             result = self.engine.unload_adapter(command["name"])
         else:  # parse_control knows the ops
             raise RequestError(ErrorCode.INVALID_ARG, f"unknown control op {op!r}")
-        payload = np.array([[json.dumps(result).encode("utf-8")]], dtype=np.object_)
-        sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("control_output", payload)]), flags=FINAL)
+        tensors = []
+        if not requested or "control_output" in requested:  # never one the stub would prune (response_tensors.py)
+            payload = np.array([[json.dumps(result).encode("utf-8")]], dtype=np.object_)
+            tensors.append(pb_utils.Tensor("control_output", payload))
+        sender.send(pb_utils.InferenceResponse(tensors), flags=FINAL)
 
     @staticmethod
     def _fail(sender, code: ErrorCode | str, message: str) -> None:
@@ -198,10 +202,12 @@ class TritonPythonModel:
 
 
 class _Emitter:
-    """emit() for one request: called from the engine thread with each GenerationOutput."""
+    """emit() for one request: called from the engine thread with each GenerationOutput; sends only
+    the outputs the request asked for (backend/response_tensors.py says why)."""
 
-    def __init__(self, sender) -> None:
+    def __init__(self, sender, requested: frozenset[str]) -> None:
         self.sender = sender
+        self.requested = requested
 
     def __call__(self, out: GenerationOutput) -> None:
         try:
@@ -209,15 +215,8 @@ class _Emitter:
                 response = pb_utils.InferenceResponse(error=_triton_error(out.error.code, out.error.message))
                 self.sender.send(response, flags=FINAL)
                 return
-            version = (out.adapter_sha256 or "").encode("utf-8")
-            response = pb_utils.InferenceResponse(
-                output_tensors=[
-                    pb_utils.Tensor("output_ids", np.asarray(out.token_ids, dtype=np.int32).reshape(1, -1)),
-                    pb_utils.Tensor("context_ids", np.asarray(out.context_ids, dtype=np.int32).reshape(1, -1)),
-                    pb_utils.Tensor("strip_chars", np.array([[out.strip_chars]], dtype=np.int32)),
-                    pb_utils.Tensor("lora_version", np.array([[version]], dtype=np.object_)),
-                ]
-            )
+            tensors = [pb_utils.Tensor(name, array) for name, array in output_arrays(out, self.requested)]
+            response = pb_utils.InferenceResponse(output_tensors=tensors)
             self.sender.send(response, flags=FINAL if out.finished else 0)
         except Exception:  # noqa: BLE001 - a closed or cancelled stream; the engine thread must go on
             pb_utils.Logger.log_error(f"generator: could not send output: {traceback.format_exc()}")
