@@ -16,26 +16,7 @@ HTTP_PORT=${HTTP_PORT:-8000}
 CKPT=${CKPT:-/tmp/ckpt_$SHAPE}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-read -r VOCAB MAX_LEN < <("$PYTHON" - "$SHAPE" "$CKPT" "$DEVICE" <<'PY'
-import sys
-from perf.checkpoint import SHAPES, write_adapter_catalogue, write_base
-from perf.headline import DEFAULTS
-from perf.workload import adapter_name
-shape, ckpt = SHAPES[sys.argv[1]], sys.argv[2]
-dev = "cuda" if sys.argv[3].startswith("cuda") else "cpu"  # random weights drawn on the GPU are quick
-write_base(f"{ckpt}/base", shape, device=dev)
-write_adapter_catalogue(f"{ckpt}/adapters", shape, [adapter_name(i) for i in range(100)], distinct=8, device=dev)
-d = DEFAULTS[sys.argv[1]]
-print(shape.vocab, d["input_range"][1] + d["output_range"][1] + 8)
-PY
-)
-"$PYTHON" - "$SHAPE" > "$OUT/lengths.txt" <<'PY'
-import sys
-from perf.headline import DEFAULTS
-d = DEFAULTS[sys.argv[1]]
-print(*d["input_range"], *d["output_range"])
-PY
-read -r IN_LO IN_HI OUT_LO OUT_HI < "$OUT/lengths.txt"
+source perf/h200/server_checkpoint.sh
 if [ "${USE_ENV_SH:-1}" = 1 ]; then source perf/h200/env.sh; SERVE_PY=python; else SERVE_PY=$PYTHON; fi
 $SERVE_PY scripts/serve.py --base-model "$CKPT/base" --adapters "$CKPT/adapters/catalogue.json" --param device="$DEVICE" \
   --param max_num_seqs=64 --param max_loras=64 --param max_model_len="$MAX_LEN" ${EXTRA_PARAMS:-} \
