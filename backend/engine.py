@@ -148,6 +148,7 @@ class Engine:
         self._gate_loaders = self.device.startswith("cuda")
         self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
         self._wake = threading.Event()
+        self._state_lock = threading.RLock()
         self._last_cancel_poll = 0.0
         self._stopping = threading.Event()
         self._counters = {"steps": 0, "requests": 0, "finished": 0, "errors": 0, "tokens_out": 0, "tokens_in": 0}
@@ -313,6 +314,11 @@ class Engine:
         return [_adapter_info(s) for s in self.catalogue.specs()]
 
     def stats(self) -> dict:
+        """Counters and pool state; safe from any thread (taken between two loop iterations)."""
+        with self._state_lock:
+            return self._stats()
+
+    def _stats(self) -> dict:
         return {
             **self._counters,
             "running": len(self.scheduler.running),
@@ -348,24 +354,31 @@ class Engine:
         if self.device.startswith("cuda") and torch.device(self.device).index is not None:
             torch.cuda.set_device(torch.device(self.device))  # the current device is per thread
         while not self._stopping.is_set():
-            self._drain_inbox()
-            self._drop_cancelled()
-            if not self.scheduler.has_work():
+            with self._state_lock:  # stats() reads the pool and the queues between iterations, not during
+                ran = self._iterate()
+            if ran is None:  # nothing to do
                 self._wake.wait(0.05)
                 self._wake.clear()
-                continue
-            try:
-                self._prefetch()
-                ran = self.step()
-            except Exception:  # noqa: BLE001 - the engine must outlive any one bad step
-                log.error("engine step failed:\n%s", traceback.format_exc())
-                ran = True
-                if self.tp is not None and self.tp.broken:  # no step can run again: fail what waits
-                    self._fail_all(self.tp.broken.splitlines()[0])
-            if not ran:  # waiting only on adapter loads
+            elif not ran:  # waiting only on adapter loads
                 self._wake.wait(0.002)
                 self._wake.clear()
         self._fail_all("the server is shutting down")
+
+    def _iterate(self) -> bool | None:
+        """One pass of the loop: admit what arrived, drop what was cancelled, run a step. None when
+        there was no work; else whether a step ran."""
+        self._drain_inbox()
+        self._drop_cancelled()
+        if not self.scheduler.has_work():
+            return None
+        try:
+            self._prefetch()
+            return self.step()
+        except Exception:  # noqa: BLE001 - the engine must outlive any one bad step
+            log.error("engine step failed:\n%s", traceback.format_exc())
+            if self.tp is not None and self.tp.broken:  # no step can run again: fail what waits
+                self._fail_all(self.tp.broken.splitlines()[0])
+            return True
 
     def _drain_inbox(self) -> None:
         while True:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import shutil
+import threading
 import time
 
 import numpy as np
@@ -305,3 +306,43 @@ def test_host_cache_budget_is_a_share_of_available_memory_and_of_shared_memory_r
     assert host_cache_bytes(0.0, available=10 << 30) is None
     room = shutil.disk_usage(tmp_path).free
     assert host_cache_bytes(1.0, str(tmp_path), available=room * 4) == int(0.8 * room)
+
+
+def test_stats_read_from_another_thread_while_the_engine_churns_adapters(base, tmp_path):
+    """The server's metrics thread reads engine.stats() every 0.5 s while the engine thread loads, evicts
+    and reorders adapters; a read must never see the pool's tables mid-change (on the H200 it once raised
+    "OrderedDict mutated during iteration")."""
+    rng = random.Random(11)
+    catalogue = {f"s{i:02d}": str(write_random_adapter(tmp_path / f"s{i:02d}", base, rank=rng.choice([2, 4, 8]),
+                                                       targets=rng.sample(ALL, rng.randint(1, 7)), seed=100 + i))
+                 for i in range(24)}
+    requests = [GenerationRequest(f"q{i}", [0] + [rng.randrange(2, 290) for _ in range(rng.randint(1, 8))],
+                                  f"s{rng.randrange(24):02d}", SamplingParams(max_tokens=3)) for i in range(120)]
+    engine = Engine(EngineConfig(model_dir=str(base), adapters=catalogue, max_lora_rank=8, max_loras=3,
+                                 max_cpu_loras=6, num_kv_pages=40, page_size=16, max_num_seqs=8))
+    failures: list[BaseException] = []
+    reads = 0
+    stop = threading.Event()
+
+    def reader() -> None:
+        nonlocal reads
+        while not stop.is_set():
+            try:
+                stats = engine.stats()
+                assert stats["pool_pages_free"] + stats["pool_pages_kv"] + stats["pool_pages_adapters"] <= \
+                    stats["pool_pages_total"], stats
+                reads += 1
+            except BaseException as e:  # noqa: BLE001 - reported by the test
+                failures.append(e)
+                return
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        results = generate(engine, requests, timeout=300)
+    finally:
+        stop.set()
+        thread.join()
+        engine.shutdown()
+    assert not failures, repr(failures[0])
+    assert reads > 100 and all(r.error is None for r in results)
