@@ -35,7 +35,7 @@ done
 if [ "${PERF_ANALYZER:-0}" = 1 ]; then  # perf_analyzer against the same server (perf/perf_analyzer/run.sh)
   ADAPTERS=$("$PYTHON" -c "from perf.workload import adapter_name; print(*(adapter_name(i) for i in range(100)))") \
   VOCAB="4 $VOCAB" URL="127.0.0.1:$GRPC_PORT" OUT_DIR="$OUT/perf_analyzer" PYTHON="$SERVE_PY" \
-  CONCURRENCY="${PA_CONCURRENCY:-16}" RATES="${PA_RATES:-4}" MEASURE_MS="${PA_MEASURE_MS:-5000}" \
+  CONCURRENCY="${PA_CONCURRENCY:-16}" RATES="${PA_RATES:-4}" MEASURE_MS="${PA_MEASURE_MS:-8000}" \
     bash perf/perf_analyzer/run.sh > "$OUT/perf_analyzer.txt" 2>&1
 fi
 # every thread's stack of the generator's stub into server.log (faulthandler, registered by the model)
