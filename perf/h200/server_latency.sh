@@ -11,19 +11,16 @@ SHAPE=${SHAPE:-llama3-8b}
 DEVICE=${DEVICE:-cuda}
 DURATION=${DURATION:-30}
 PYTHON=${PYTHON:-python3}
-GRPC_PORT=${GRPC_PORT:-8001}
 HTTP_PORT=${HTTP_PORT:-8000}
+GRPC_PORT=$((HTTP_PORT + 1))
 CKPT=${CKPT:-/tmp/ckpt_$SHAPE}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-source perf/h200/server_checkpoint.sh
+source perf/h200/server_common.sh
 if [ "${USE_ENV_SH:-1}" = 1 ]; then source perf/h200/env.sh; SERVE_PY=python; else SERVE_PY=$PYTHON; fi
-$SERVE_PY scripts/serve.py --base-model "$CKPT/base" --adapters "$CKPT/adapters/catalogue.json" --param device="$DEVICE" \
-  --param max_num_seqs=64 --param max_loras=64 --param max_model_len="$MAX_LEN" ${EXTRA_PARAMS:-} \
-  --http-port "$HTTP_PORT" --grpc-port "$GRPC_PORT" --metrics-port $((HTTP_PORT + 2)) > "$OUT/server.log" 2>&1 &
-SERVER=$!
-for i in $(seq 1 300); do curl -sf "localhost:$HTTP_PORT/v2/models/generator/ready" >/dev/null 2>&1 && break; sleep 1; done
-echo "server ready after ${i}s"
+start_server "$OUT/server.log" "$HTTP_PORT" ${EXTRA_PARAMS:-}
+wait_ready "$HTTP_PORT" 300
+echo "server ready after ${READY_S}s"
 for frac in 0.5 0.9; do
   rate=$("$PYTHON" -c "print(round($SAT * $frac, 2))")
   "$PYTHON" -m perf.workload --adapters 100 --alpha 1 --rate "$rate" --cv 1 --duration "$DURATION" \

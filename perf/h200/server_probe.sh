@@ -20,7 +20,7 @@ CKPT=${CKPT:-/tmp/ckpt_$SHAPE}
 WORK=${PROBE_WORK:-/tmp/server_probe}
 mkdir -p "$OUT" "$WORK"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-source perf/h200/server_checkpoint.sh
+source perf/h200/server_common.sh
 if [ "${USE_ENV_SH:-1}" = 1 ]; then source perf/h200/env.sh; SERVE_PY=python; else SERVE_PY=$PYTHON; fi
 PYSPY=""
 if [ -f .gpu/tools/py-spy.xz ]; then xz -dc .gpu/tools/py-spy.xz > /tmp/py-spy && chmod +x /tmp/py-spy && PYSPY=/tmp/py-spy; fi
@@ -64,12 +64,9 @@ for variant in "${VARIANTS[@]}"; do
   echo "$variant" > "$V/variant.txt"
   params=()
   for kv in $variant; do params+=(--param "$kv"); done
-  $SERVE_PY scripts/serve.py --base-model "$CKPT/base" --adapters "$CKPT/adapters/catalogue.json" --param device="$DEVICE" \
-    --param max_num_seqs=64 --param max_loras=64 --param max_model_len="$MAX_LEN" "${params[@]}" \
-    --http-port 8000 --grpc-port 8001 --metrics-port 8002 > "$V/server.log" 2>&1 &
-  t0=$(date +%s)
-  for r in $(seq 1 240); do curl -sf localhost:8000/v2/models/generator/ready >/dev/null 2>&1 && break; sleep 1; done
-  ready=$(( $(date +%s) - t0 ))
+  start_server "$V/server.log" 8000 "${params[@]}"
+  wait_ready 8000 240
+  ready=$READY_S
   throttled0=$(awk '/throttled_usec/ {print $2}' /sys/fs/cgroup/cpu.stat 2>/dev/null || echo 0)
   sample_stub "$V/samples.txt" &
   SAMPLER=$!
