@@ -8,27 +8,30 @@ frees Python objects without the GIL, and the stub died of it (a segmentation fa
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from backend.request import GenerationOutput
 
-GENERATOR_OUTPUTS = ("output_ids", "context_ids", "strip_chars", "lora_version")
+# name -> its array for one chunk, with the batch dimension
+_BUILDERS: dict[str, Callable[[GenerationOutput], np.ndarray]] = {
+    "output_ids": lambda out: np.asarray(out.token_ids, dtype=np.int32).reshape(1, -1),
+    "context_ids": lambda out: np.asarray(out.context_ids, dtype=np.int32).reshape(1, -1),
+    "strip_chars": lambda out: np.array([[out.strip_chars]], dtype=np.int32),
+    "lora_version": lambda out: np.array([[(out.adapter_sha256 or "").encode("utf-8")]], dtype=np.object_),
+}
+GENERATOR_OUTPUTS = tuple(_BUILDERS)
 
 
-def output_arrays(out: GenerationOutput, requested: frozenset[str] | set[str]) -> list[tuple[str, np.ndarray]]:
-    """(name, array) for each generator output in ``requested``, in GENERATOR_OUTPUTS order, each
-    with the batch dimension: output_ids / context_ids int32 [1, n], strip_chars int32 [1, 1],
-    lora_version bytes [1, 1] (the adapter's sha256, empty for the base model). An empty
-    ``requested`` means all of them (Triton fills in every output when a client names none)."""
-    wanted = [name for name in GENERATOR_OUTPUTS if not requested or name in requested]
-    arrays = []
-    for name in wanted:
-        if name == "output_ids":
-            arrays.append((name, np.asarray(out.token_ids, dtype=np.int32).reshape(1, -1)))
-        elif name == "context_ids":
-            arrays.append((name, np.asarray(out.context_ids, dtype=np.int32).reshape(1, -1)))
-        elif name == "strip_chars":
-            arrays.append((name, np.array([[out.strip_chars]], dtype=np.int32)))
-        else:
-            arrays.append((name, np.array([[(out.adapter_sha256 or "").encode("utf-8")]], dtype=np.object_)))
-    return arrays
+def is_requested(name: str, requested: frozenset[str]) -> bool:
+    """Whether output ``name`` goes into the response: named by the request, or the request named none
+    (Triton then fills in every output)."""
+    return not requested or name in requested
+
+
+def output_arrays(out: GenerationOutput, requested: frozenset[str]) -> list[tuple[str, np.ndarray]]:
+    """(name, array) for each generator output the request asked for (``is_requested``), in
+    GENERATOR_OUTPUTS order: output_ids / context_ids int32 [1, n], strip_chars int32 [1, 1],
+    lora_version bytes [1, 1] (the adapter's sha256, empty for the base model)."""
+    return [(name, build(out)) for name, build in _BUILDERS.items() if is_requested(name, requested)]

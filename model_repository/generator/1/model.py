@@ -33,7 +33,7 @@ from backend.engine import Engine
 from backend.errors import ErrorCode, RequestError
 from backend.request import GenerationOutput
 from backend.request_parsing import parse_control, parse_generation
-from backend.response_tensors import output_arrays
+from backend.response_tensors import is_requested, output_arrays
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # config.pbtxt parameters that are not EngineConfig fields: the checkpoint, the catalogue, the
@@ -156,9 +156,10 @@ class TritonPythonModel:
         close_metrics(self.metrics)
 
     def _submit(self, request, sender) -> None:
+        requested = frozenset(request.requested_output_names())
         control = pb_utils.get_input_tensor_by_name(request, "control")
         if control is not None:
-            self._control(parse_control(control.as_numpy()), sender, frozenset(request.requested_output_names()))
+            self._control(parse_control(control.as_numpy()), sender, requested)
             return
         try:
             gen = parse_generation(
@@ -168,7 +169,7 @@ class TritonPythonModel:
             if self.metrics is not None:
                 self.metrics.request_failed(None, e.code.value)
             raise
-        self.engine.submit(gen, _Emitter(sender, frozenset(request.requested_output_names())))
+        self.engine.submit(gen, _Emitter(sender, requested))
 
     def _control(self, command: dict, sender, requested: frozenset[str]) -> None:
         op = command["op"]
@@ -186,7 +187,7 @@ class TritonPythonModel:
         else:  # parse_control knows the ops
             raise RequestError(ErrorCode.INVALID_ARG, f"unknown control op {op!r}")
         tensors = []
-        if not requested or "control_output" in requested:  # never one the stub would prune (response_tensors.py)
+        if is_requested("control_output", requested):  # never one the stub would prune (response_tensors.py)
             payload = np.array([[json.dumps(result).encode("utf-8")]], dtype=np.object_)
             tensors.append(pb_utils.Tensor("control_output", payload))
         sender.send(pb_utils.InferenceResponse(tensors), flags=FINAL)
