@@ -109,6 +109,31 @@ def time_ms(fn, iters: int) -> float:
     return statistics.median(times)
 
 
+def profile_kernels(fn, label: str, out_dir: Path, replays: int = 5) -> None:
+    """Print (and append to out_dir/decode_step_kernels.txt) the kernels of ``replays`` calls of fn by GPU time,
+    per step: what the step's time is made of."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            fn()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    rows.sort(key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in rows) / replays
+    lines = [f"-- {label}: {total / 1e3:.3f} ms of kernels per step, {sum(e.count for e in rows) // replays} launches"]
+    for e in rows[:14]:
+        lines.append(f"  {e.self_device_time_total / replays / 1e3:7.3f} ms  {e.count // replays:5d} x "
+                     f"{e.self_device_time_total / max(1, e.count):7.2f} us  {e.key[:90]}")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "decode_step_kernels.txt", "a") as f:
+        f.write(text + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
@@ -122,6 +147,8 @@ def main() -> None:
                     help="residual add + RMSNorm as the engine's kernel path runs it (fused), or as torch ops")
     ap.add_argument("--silu-mul", choices=["fused", "torch"], default="fused",
                     help="the MLP's silu(gate) * up as the engine's kernel path runs it (fused), or as torch ops")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print the step's kernels by GPU time (torch.profiler over 5 replays per adapter count)")
     ap.add_argument("--out", default=os.environ.get("OUT", "perf/results"))
     args = ap.parse_args()
     device, dtype = "cuda", torch.bfloat16
@@ -175,6 +202,11 @@ def main() -> None:
             resident[:n],
         )
         step_ms = time_ms(lambda inputs=inputs: graphs.run(inputs), args.iters)
+        if args.profile:
+            try:
+                profile_kernels(lambda inputs=inputs: graphs.run(inputs), f"{n} adapters", Path(args.out))
+            except Exception as exc:  # a profiler that cannot see graph kernels must not cost the timing rows
+                print(f"profile of {n} adapters failed: {exc!r}", flush=True)
         floor_ms = (base_bytes + n * adapter_bytes + kv_bytes) / bandwidth * 1e3
         rows.append(
             {

@@ -8,6 +8,9 @@
 #                                              # runs (the 30x ratio; PEFT loads ~94 adapters in ~225 s) ~8 min
 #   bash perf/h200/unmeasured.sh steps $OUT    # the MoE step (no LoRA / fused / unfused), then the whole-
 #                                              # model decode step with the elementwise fusions on and off ~9 min
+#   bash perf/h200/unmeasured.sh ab $OUT       # this tree against .baseline/ (carry it too): compiled engine
+#                                              # tests, decode step with its kernels by GPU time, MoE step and
+#                                              # the n=100 headline on request (AB_MOE=1, AB_HEADLINE=1)  ~5-9 min
 # A device call returns only a handful of files: each part writes one log and one .tgz of the rest, and
 # prints a short table last.
 set -u
@@ -54,8 +57,38 @@ steps)
     for fused in fused torch; do echo "== decode step, elementwise $fused"; tail -n 6 "$WORK/decode_step_$fused.txt"; done
   } > "$OUT/steps.txt" 2>&1
   ;;
+ab)
+  # this tree's engine code against the tree in .baseline/ (a previous commit's backend/, kernels/, perf/, with this
+  # tree's bench_decode_step.py and bench_moe_step.py copied in: same harness, old engine), each in its own
+  # processes: the compiled engine tests first (AB_TESTS=1), the whole decode step with its kernels by GPU time,
+  # the eager MoE step (AB_MOE=1), then this tree's engine at n=100 and base-only on the headline trace (AB_HEADLINE=1)
+  cp perf/bench_decode_step.py perf/bench_moe_step.py .baseline/perf/
+  if [ "${AB_TESTS:-1}" = 1 ]; then
+    TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_engine_kernels.py \
+      tests/kernels/test_lora_kernels.py::test_lora_batch_shrink_scratch > "$WORK/gpu_tests.txt" 2>&1
+  fi
+  for tree in baseline new; do
+    dir=$PWD; [ $tree = baseline ] && dir=$PWD/.baseline
+    (cd "$dir" && PYTHONPATH=$dir timeout 150 python3 perf/bench_decode_step.py --shape llama3-8b --batch 64 \
+      --context 512 --adapters 0,8,32,64 --profile --out "$WORK/$tree") > "$WORK/decode_step_$tree.txt" 2>&1
+    if [ "${AB_MOE:-0}" = 1 ]; then
+      (cd "$dir" && PYTHONPATH=$dir timeout 100 python3 -m perf.bench_moe_step --batches 1 16 64 --adapters 8 \
+        --unfused-max-batch 0) > "$WORK/moe_step_$tree.txt" 2>&1
+    fi
+  done
+  if [ "${AB_HEADLINE:-0}" = 1 ]; then
+    timeout 240 python3 -m perf.headline --shape llama3-8b --out "$WORK/headline" --adapters 100 --rate 24 \
+      --duration 12 --drain 15 --skip-peft --max-num-seqs 128 --admit-every-steps 4 > "$WORK/headline.txt" 2>&1
+  fi
+  { [ -f "$WORK/gpu_tests.txt" ] && { echo "== compiled engine tests"; tail -n 4 "$WORK/gpu_tests.txt"; }
+    for tree in baseline new; do echo "== decode step, $tree"; tail -n 5 "$WORK/decode_step_$tree.txt"; done
+    for tree in baseline new; do echo "== step kernels, $tree"; grep -A5 -- "^-- " "$WORK/$tree/decode_step_kernels.txt"; done
+    for tree in baseline new; do [ -f "$WORK/moe_step_$tree.txt" ] && { echo "== MoE step, $tree"; tail -n 5 "$WORK/moe_step_$tree.txt"; }; done
+    [ -f "$WORK/headline.txt" ] && { echo "== headline"; tr '\r' '\n' < "$WORK/headline.txt" | grep -E "^\| engine|/ base|timings" ; }
+  } > "$OUT/ab.txt" 2>&1
+  ;;
 *)
-  echo "unknown part $PART (server, peft or steps)"; exit 2
+  echo "unknown part $PART (server, peft, steps or ab)"; exit 2
   ;;
 esac
 tar czf "$OUT/$PART.tgz" -C /tmp "unmeasured_$PART" 2>/dev/null
