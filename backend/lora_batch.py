@@ -13,6 +13,9 @@ gathering the rows in torch on either path.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from dataclasses import dataclass
+
 import torch
 
 from backend.adapter_packing import MODULE_INDEX, expert_slot
@@ -21,6 +24,35 @@ from backend.model_config import PROJECTIONS
 
 # Tokens per step above which the segmented (SGMV) kernels beat one program per token.
 SEGMENTED_MIN_TOKENS = 64
+# The shrink outputs of a whole forward ([layers, projections, T, max_rank] fp32) are zeroed by one memset when
+# they fit in this; larger steps (long prefills) zero each call's output instead.
+SHRINK_SCRATCH_MAX_BYTES = 64 << 20
+
+
+@dataclass
+class PendingShrink:
+    """A launched shrink (``LoraBatch.shrink``) whose expand is still to come."""
+
+    y: torch.Tensor  # fp32 [len(modules), T, max_rank]
+    layer: int
+    modules: slice  # of the projection axis
+    side_stream: torch.cuda.Stream | None  # where the shrink runs, when not on the current stream
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(x: torch.Tensor) -> torch.cuda.Stream:
+    """One side stream per device, for the LoRA shrinks."""
+    if x.device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[x.device] = torch.cuda.Stream(x.device)
+    return _SIDE_STREAMS[x.device]
+
+
+def _overlaps(x: torch.Tensor) -> bool:
+    """Whether the shrink of input x runs on the side stream: inside a CUDA-graph capture only. Eager steps are
+    bound by the host (launches), which two stream switches per call would slow further, for no GPU-side gain."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 class LoraBatch:
@@ -38,6 +70,8 @@ class LoraBatch:
         self.scalings = torch.stack([a.scalings for a in adapters], dim=2).contiguous()
         self.max_rank = self.row_offsets.shape[-1]
         self.segments = None
+        self._shrink_scratch = None
+        self._moe_cache = None
         self._expert_ranks_host = self.ranks[:, len(PROJECTIONS):].cpu() if self._has_expert_slots() else None
         self._expert_scalings_host = self.scalings[:, len(PROJECTIONS):].cpu() if self._has_expert_slots() else None
         if use_kernels:
@@ -63,7 +97,20 @@ class LoraBatch:
         batch.row_offsets, batch.ranks, batch.scalings = row_offsets, ranks, scalings
         batch.max_rank = row_offsets.shape[-1]
         batch.segments = None
+        batch._shrink_scratch = None
+        batch._moe_cache = None
         return batch
+
+    def begin_forward(self, num_tokens: int) -> None:
+        """Called once at the start of each forward: one zeroed buffer for the shrink outputs of every layer (their
+        split-K partial sums add into it), one memset instead of one per LoRA call. Allocated per forward, so that
+        inside a CUDA-graph capture it comes from the graph's pool like the step's other temporaries."""
+        self._shrink_scratch = None
+        if not self.use_kernels:
+            return
+        shape = (self.row_offsets.shape[0], self.row_offsets.shape[1], num_tokens, self.max_rank)
+        if shape[0] * shape[1] * num_tokens * self.max_rank * 4 <= SHRINK_SCRATCH_MAX_BYTES:
+            self._shrink_scratch = torch.zeros(shape, dtype=torch.float32, device=self.pool.device)
 
     def _has_expert_slots(self) -> bool:
         return self.row_offsets.dim() == 5 and self.row_offsets.shape[1] > len(PROJECTIONS)
@@ -90,19 +137,31 @@ class LoraBatch:
         used = (r13 > 0) | (r2 > 0)
         if bool(((r13 != r2) & used).any()) or bool(((s13 != s2) & used).any()):
             return None
-        slot_has = used.to(self.token_slots.device)
-        token_slots = torch.where((self.token_slots >= 0) & slot_has[self.token_slots.clamp(min=0).long()],
-                                  self.token_slots, torch.full_like(self.token_slots, -1))
-        first = len(PROJECTIONS)
-        tables = self.row_offsets[layer, first:]  # [2E, 2, S, R]
+        tables, ranks_dev, scalings_dev, token_slots = self._moe_tables()
+        return MoeLora(pool=self.pool, a13_offsets=tables[layer, 0, 0], b13_offsets=tables[layer, 0, 1],
+                       a2_offsets=tables[layer, 1, 0], b2_offsets=tables[layer, 1, 1], ranks=ranks_dev[layer],
+                       scalings=scalings_dev[layer], token_slots=token_slots[layer])
 
-        def by_slot(parameter: int, kind: int) -> torch.Tensor:
-            return tables[parameter::2, kind].permute(1, 0, 2).contiguous()  # [S, E, R]
-
-        return MoeLora(pool=self.pool, a13_offsets=by_slot(0, 0), b13_offsets=by_slot(0, 1),
-                       a2_offsets=by_slot(1, 0), b2_offsets=by_slot(1, 1),
-                       ranks=r13.clamp(min=1).to(torch.int32).to(self.pool.device),
-                       scalings=s13.to(torch.float32).to(self.pool.device), token_slots=token_slots)
+    def _moe_tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What ``moe_lora`` hands the kernel, for every layer at once, built on the device at the first call of a
+        step: offset tables [layers, parameter, A|B, S, E, R], ranks [layers, S] (expert 0's gate_up rank, which
+        ``moe_lora`` checks is every expert's), scalings [layers, S], token slots [layers, T] (-1 for tokens whose
+        adapter leaves the layer's experts alone). No host-to-device copy: the eager MoE step is bound by the
+        host, and a copy from host memory would wait for the GPU once per layer."""
+        if self._moe_cache is None:
+            first = len(PROJECTIONS)
+            num_layers, modules, _, num_slots, max_rank = self.row_offsets.shape
+            experts = (modules - first) // 2
+            tables = self.row_offsets[:, first:].view(num_layers, experts, 2, 2, num_slots, max_rank)
+            tables = tables.permute(0, 2, 3, 4, 1, 5).contiguous()
+            ranks = self.ranks[:, first]  # [layers, S]
+            slot_has = (ranks > 0) | (self.ranks[:, first + 1] > 0)
+            tokens = self.token_slots.long().clamp(min=0)
+            active = (self.token_slots >= 0)[None, :] & slot_has[:, tokens]
+            token_slots = torch.where(active, self.token_slots[None, :], torch.full_like(self.token_slots, -1))
+            self._moe_cache = (tables, ranks.clamp(min=1).contiguous(), self.scalings[:, first].contiguous(),
+                               token_slots.contiguous())
+        return self._moe_cache
 
     def apply_expert(self, x: torch.Tensor, out: torch.Tensor, tokens: torch.Tensor, layer: int, expert: int,
                      parameter: int) -> None:
@@ -128,28 +187,46 @@ class LoraBatch:
               widths: tuple[int, ...]) -> None:
         """Add the LoRA deltas of ``modules`` (consecutive projections sharing input x [T, in]) into
         out [T, sum(widths)], module i owning columns [sum(widths[:i]), sum(widths[:i+1]))."""
-        first = MODULE_INDEX[modules[0]]
         if self.use_kernels:
-            self._apply_kernels(x, out, layer, first, len(modules), widths)
+            self.expand(self.shrink(x, layer, modules), out, widths)
         else:
-            col = 0
+            first, col = MODULE_INDEX[modules[0]], 0
             for i, width in enumerate(widths):
                 self._apply_torch(x, out[:, col:col + width], layer, first + i)
                 col += width
 
-    def _apply_kernels(self, x: torch.Tensor, out: torch.Tensor, layer: int, first: int, n: int,
-                       widths: tuple[int, ...]) -> None:
-        from kernels.lora_expand import lora_expand
+    def shrink(self, x: torch.Tensor, layer: int, modules: tuple[str, ...]) -> PendingShrink:
+        """Kernel path, first half of ``apply``: launch the shrink of ``modules`` for input x [T, in]. It needs only x,
+        so callers launch it before the base projection; inside a CUDA-graph capture it runs on a side stream, beside
+        the base GEMM (the decode step's graph gets the two as parallel branches). ``expand`` joins it."""
         from kernels.lora_shrink import lora_shrink
 
+        first, n = MODULE_INDEX[modules[0]], len(modules)
         mods = slice(first, first + n)
-        y = torch.empty((n, x.shape[0], self.max_rank), dtype=torch.float32, device=x.device)
-        lora_shrink(x, self.pool, self.row_offsets[layer, mods, 0], self.ranks[layer, mods], self.token_slots, y,
-                    segments=self.segments)
+        scratch = self._shrink_scratch  # zeroed by begin_forward; each (layer, projection) written once a step
+        if scratch is not None and scratch.shape[2] == x.shape[0]:
+            y = scratch[layer, mods]
+        else:
+            scratch, y = None, torch.empty((n, x.shape[0], self.max_rank), dtype=torch.float32, device=x.device)
+        side = _side_stream(x) if _overlaps(x) else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(side) if side is not None else nullcontext():
+            lora_shrink(x, self.pool, self.row_offsets[layer, mods, 0], self.ranks[layer, mods], self.token_slots, y,
+                        segments=self.segments, out_is_zero=scratch is not None)
+        return PendingShrink(y, layer, mods, side)
+
+    def expand(self, pending: PendingShrink, out: torch.Tensor, widths: tuple[int, ...]) -> None:
+        """Kernel path, second half of ``apply``: add the expand of a ``shrink`` into out [T, sum(widths)]."""
+        from kernels.lora_expand import lora_expand
+
+        if pending.side_stream is not None:
+            torch.cuda.current_stream(out.device).wait_stream(pending.side_stream)
         bounds = [0]
         for w in widths:
             bounds.append(bounds[-1] + w)
-        lora_expand(y, self.pool, self.row_offsets[layer, mods, 1], self.ranks[layer, mods],
+        layer, mods = pending.layer, pending.modules
+        lora_expand(pending.y, self.pool, self.row_offsets[layer, mods, 1], self.ranks[layer, mods],
                     self.scalings[layer, mods], self.token_slots, out, bounds, segments=self.segments)
 
     def _apply_torch(self, x: torch.Tensor, out: torch.Tensor, layer: int, m: int) -> None:

@@ -305,6 +305,7 @@ def lora_shrink(
     *,
     segments: SegmentMeta | None = None,
     config: dict[str, int] | None = None,
+    out_is_zero: bool = False,
 ) -> torch.Tensor:
     """LoRA shrink over paged adapter rows, one launch for all slices (BGMV or SGMV).
 
@@ -331,6 +332,8 @@ def lora_shrink(
     its fp32 partial sums into ``out``. The launcher then zeroes ``out`` first (``out.zero_()``, a
     memset: graph-safe); it does so for the SGMV form too, where slot -1 tokens have no
     program. With one split the BGMV kernel stores whole rows itself and nothing is zeroed.
+    ``out_is_zero=True`` says the caller already zeroed ``out`` (one memset per step for every
+    layer's output, instead of one node per call in a decode step's graph).
     Either way ``out`` is fully overwritten and rows of slot -1 tokens come back zero. fp32
     atomics make the low bits of the result depend on the order the splits land in.
     Nothing here synchronises with the host or allocates: the launcher can be captured in a
@@ -349,6 +352,7 @@ def lora_shrink(
         segments: optional SegmentMeta built from this ``token_slots``: use the SGMV form.
         config: optional override of ``shrink_config``'s keys (BLOCK_R, BLOCK_K, BLOCK_M,
             SPLIT_K, num_warps); keys left out take the heuristic's value.
+        out_is_zero: ``out`` holds zeros already: the launcher does not zero it.
 
     Returns:
         ``out``.
@@ -388,7 +392,7 @@ def lora_shrink(
         cfg = shrink_config(num_tokens, in_features, max_rank, segmented=False, num_slices=num_slices)
         cfg.update(config or {})
         num_r_blocks, k_split_len, split_k = _grid_split(cfg, in_features, max_rank)
-        if split_k > 1:
+        if split_k > 1 and not out_is_zero:
             out.zero_()  # the splits add into it
         grid = (num_tokens, split_k, num_slices * num_r_blocks)
         _lora_shrink_bgmv_kernel[grid](
@@ -403,7 +407,8 @@ def lora_shrink(
         return out
 
     check_segments(segments, num_tokens, device)
-    out.zero_()  # slot -1 tokens have no program; the splits add into it
+    if not out_is_zero:
+        out.zero_()  # slot -1 tokens have no program; the splits add into it
     if segments.num_segments == 0:
         return out
     cfg = shrink_config(num_tokens, in_features, max_rank, True, segments.max_seg_len, num_slices,

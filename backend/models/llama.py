@@ -156,6 +156,8 @@ class LlamaModel:
     def forward(self, batch: StepBatch, kv: PagedKVCache, lora: LoraBatch | None) -> torch.Tensor:
         """Run the step; returns float32 logits [len(batch.logits_rows), vocab]."""
         self.prepare_step(batch, kv)
+        if isinstance(lora, LoraBatch):
+            lora.begin_forward(batch.input_ids.shape[0])
         h = self.embed[batch.input_ids]
         x, _ = self._add_norm(h, None, self.layers[0].input_norm)
         for i, w in enumerate(self.layers):
@@ -181,14 +183,26 @@ class LlamaModel:
     def _mlp(self, x: torch.Tensor, i: int, w: LayerWeights, lora: LoraBatch | None) -> torch.Tensor:
         """Layer i's SwiGLU MLP with its LoRA (subclasses replace it: MoeModel routes to experts)."""
         cfg = self.cfg
-        gate_up = F.linear(x, w.gate_up, w.gate_up_bias)
-        if lora is not None:
-            lora.apply(x, gate_up, i, GATE_UP, (cfg.intermediate_size,) * 2)
+        gate_up = self._project(x, w.gate_up, w.gate_up_bias, i, lora, GATE_UP, (cfg.intermediate_size,) * 2)
         act = self._silu_mul(gate_up)
-        down = F.linear(act, w.down, w.down_bias if self.comm is None else None)
-        if lora is not None:
-            lora.apply(act, down, i, ("down_proj",), (cfg.hidden_size,))
+        down = self._project(act, w.down, w.down_bias if self.comm is None else None, i, lora, ("down_proj",),
+                             (cfg.hidden_size,))
         return self._reduce(down, w.down_bias)
+
+    def _project(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, i: int,
+                 lora: LoraBatch | None, modules: tuple[str, ...], widths: tuple[int, ...]) -> torch.Tensor:
+        """x @ weight^T (+ bias) with layer i's LoRA of ``modules`` added. On the kernel path the shrink is launched
+        before the base GEMM (it needs only x: captured decode steps run it on a side stream beside the GEMM)."""
+        if lora is None:
+            return F.linear(x, weight, bias)
+        if not lora.use_kernels:
+            out = F.linear(x, weight, bias)
+            lora.apply(x, out, i, modules, widths)
+            return out
+        pending = lora.shrink(x, i, modules)
+        out = F.linear(x, weight, bias)
+        lora.expand(pending, out, widths)
+        return out
 
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of the fused gate/up output [T, 2I]: one Triton kernel on the kernel path."""
@@ -220,9 +234,7 @@ class LlamaModel:
         cfg = self.cfg
         T = x.shape[0]
         q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        qkv = F.linear(x, w.qkv, w.qkv_bias)
-        if lora is not None:
-            lora.apply(x, qkv, i, QKV, (q_out, kv_out, kv_out))
+        qkv = self._project(x, w.qkv, w.qkv_bias, i, lora, QKV, (q_out, kv_out, kv_out))
         # q and k heads side by side ([T, nh + nkv, d], a view of qkv): one norm and one rotation for both
         qk = qkv[:, : q_out + kv_out].view(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, q_out + kv_out:].view(T, cfg.num_kv_heads, cfg.head_dim)
@@ -239,9 +251,7 @@ class LlamaModel:
         if batch.prefill_groups:
             attend(q, out, i, kv.storage, batch.prefill_groups, self.scale)
         attn = out.view(T, q_out)
-        o = F.linear(attn, w.o, w.o_bias if self.comm is None else None)
-        if lora is not None:
-            lora.apply(attn, o, i, ("o_proj",), (cfg.hidden_size,))
+        o = self._project(attn, w.o, w.o_bias if self.comm is None else None, i, lora, ("o_proj",), (cfg.hidden_size,))
         return self._reduce(o, w.o_bias)
 
     def _decode_attention(self, q: torch.Tensor, out: torch.Tensor, layer: int, decode: DecodeRows,

@@ -452,3 +452,30 @@ def test_argument_errors(device):
         lora_expand(out, case.pool, case.b_row_offsets, case.ranks, case.scalings, case.token_slots, base, [0, 16, 32])
     with pytest.raises(TypeError, match="scalings"):
         lora_expand(out, case.pool, case.b_row_offsets, case.ranks, case.scalings.double(), case.token_slots, base)
+
+
+def test_lora_batch_shrink_scratch(device):
+    """LoraBatch's kernel path: the shrink outputs of a forward share one buffer zeroed by begin_forward (the
+    split-K partial sums add into it), and a second forward over the same batch (a CUDA graph replay) starts
+    from zeros again: both forwards, both layers give the dense result."""
+    from backend.lora_batch import LoraBatch
+    from kernels.lora_shrink import shrink_config
+
+    case = make_case(seed_of("scratch"), 17, 130, [40, 24], "some_none", device)
+    assert shrink_config(17, 130, 16, segmented=False, num_slices=2)["SPLIT_K"] > 1, "the K splits add atomically"
+    num_layers, (ns, num_slots, max_rank) = 2, case.a_row_offsets.shape
+    row_offsets = torch.full((num_layers, 7, 2, num_slots, max_rank), -1, dtype=torch.int64, device=device)
+    ranks = torch.zeros((num_layers, 7, num_slots), dtype=torch.int32, device=device)
+    scalings = torch.zeros((num_layers, 7, num_slots), dtype=torch.float32, device=device)
+    row_offsets[:, :ns, 0], row_offsets[:, :ns, 1] = case.a_row_offsets, case.b_row_offsets  # q_proj, k_proj
+    ranks[:, :ns], scalings[:, :ns] = case.ranks, case.scalings
+    lora = LoraBatch.from_tables(case.token_slots, row_offsets, ranks, scalings, case.pool)
+    _, delta = dense_lora(case)
+    base = torch.randn(17, 64, generator=case.gen)
+    for _forward in range(2):
+        lora.begin_forward(17)
+        assert lora._shrink_scratch is not None and not lora._shrink_scratch.any()
+        for layer in range(num_layers):
+            out = base.to(device, copy=True)
+            lora.apply(case.x, out, layer, ("q_proj", "k_proj"), (40, 24))
+            torch.testing.assert_close(out.cpu(), base + delta, **TOL)
