@@ -24,7 +24,7 @@ from backend.model_config import PROJECTIONS
 
 # Tokens per step above which the segmented (SGMV) kernels beat one program per token.
 SEGMENTED_MIN_TOKENS = 64
-# The shrink outputs of a whole forward ([layers, projections, T, max_rank] fp32) are zeroed by one memset when
+# The shrink outputs of a whole forward ([layers, 7 projections, T, max_rank] fp32) are zeroed by one memset when
 # they fit in this; larger steps (long prefills) zero each call's output instead.
 SHRINK_SCRATCH_MAX_BYTES = 64 << 20
 
@@ -108,7 +108,8 @@ class LoraBatch:
         self._shrink_scratch = None
         if not self.use_kernels:
             return
-        shape = (self.row_offsets.shape[0], self.row_offsets.shape[1], num_tokens, self.max_rank)
+        # the 7 projections only (``apply``'s modules): MoE expert slots go through moe_lora / apply_expert
+        shape = (self.row_offsets.shape[0], len(PROJECTIONS), num_tokens, self.max_rank)
         if shape[0] * shape[1] * num_tokens * self.max_rank * 4 <= SHRINK_SCRATCH_MAX_BYTES:
             self._shrink_scratch = torch.zeros(shape, dtype=torch.float32, device=self.pool.device)
 
