@@ -175,7 +175,6 @@ class MoeModel(LlamaModel):
         return top_w, top_ids
 
     def _sparse_mlp(self, x: torch.Tensor, i: int, w: MoeLayerWeights, lora: LoraBatch | None) -> torch.Tensor:
-        inter = self.cfg.moe_intermediate_size
         top_w, top_ids = self.route(x, w)
         if self.use_kernels:
             fused = self._fused_experts(x, i, w, lora, top_w, top_ids)
@@ -189,8 +188,7 @@ class MoeModel(LlamaModel):
             gate_up = F.linear(xe, w.experts_gate_up[e])
             if expert_lora:
                 lora.apply_expert(xe, gate_up, tokens, i, e, GATE_UP_PARAM)
-            gate, up = gate_up.split(inter, dim=-1)
-            act = F.silu(gate) * up
+            act = self._silu_mul(gate_up)
             y = F.linear(act, w.experts_down[e])
             if expert_lora:
                 lora.apply_expert(act, y, tokens, i, e, DOWN_PARAM)
