@@ -13,9 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
+from backend.adapter_packing import num_module_slots
 from backend.adapter_pool import ResidentAdapter
 from backend.kv_cache import PagedKVCache
-from backend.lora_batch import LoraBatch
+from backend.lora_batch import LoraBatch, moe_lora_expressible
+from backend.model_config import PROJECTIONS
 from backend.models.llama import LlamaModel
 from backend.step_batch import DecodeRows, StepBatch
 
@@ -65,9 +67,14 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.rows = torch.arange(n, dtype=torch.int64, device=dev)
         self.token_slots = torch.full((n,), -1, dtype=torch.int32, device=dev)
-        self.row_offsets = torch.full((cfg.num_layers, 7, 2, max_loras, max_rank), -1, dtype=torch.int64, device=dev)
-        self.ranks = torch.zeros((cfg.num_layers, 7, max_loras), dtype=torch.int32, device=dev)
-        self.scalings = torch.zeros((cfg.num_layers, 7, max_loras), dtype=torch.float32, device=dev)
+        # the module axis: the 7 projections, then 2 slots per expert on an MoE base (its experts' LoRA is in the graph)
+        modules = num_module_slots(cfg)
+        self.expert_lora = cfg.is_moe
+        self.row_offsets = torch.full((cfg.num_layers, modules, 2, max_loras, max_rank), -1, dtype=torch.int64,
+                                      device=dev)
+        self.ranks = torch.zeros((cfg.num_layers, modules, max_loras), dtype=torch.int32, device=dev)
+        self.scalings = torch.zeros((cfg.num_layers, modules, max_loras), dtype=torch.float32, device=dev)
+        self._expressible: dict[object, bool] = {}  # adapter key -> whether the fused MoE-LoRA kernel takes it
         self._graphs: dict[tuple[int, bool], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle()
 
@@ -80,7 +87,7 @@ class DecodeGraphs:
 
     def _lora(self, size: int) -> LoraBatch:
         return LoraBatch.from_tables(self.token_slots[:size], self.row_offsets, self.ranks, self.scalings,
-                                     self.kv.pool.storage)
+                                     self.kv.pool.storage, graph_experts=self.expert_lora)
 
     def capture_all(self) -> None:
         """Capture every bucket, with and without LoRA (biggest first, sharing one memory pool)."""
@@ -115,8 +122,26 @@ class DecodeGraphs:
     def fits(self, batch_size: int) -> bool:
         return batch_size <= self.buckets[-1]
 
+    def serves(self, adapters: list[ResidentAdapter]) -> bool:
+        """Whether a replay can serve these adapters: on an MoE base, only those whose expert LoRA the fused kernel
+        expresses in every layer (the graph runs it for every layer; the others need the eager step)."""
+        if not self.expert_lora:
+            return True
+        first = len(PROJECTIONS)
+        for a in adapters:
+            if a.key not in self._expressible:
+                ranks, scalings = a.ranks[:, first:].cpu(), a.scalings[:, first:].cpu()  # once per adapter
+                self._expressible[a.key] = all(moe_lora_expressible(ranks[layer], scalings[layer])
+                                               for layer in range(ranks.shape[0]))
+                if len(self._expressible) > 4096:
+                    self._expressible.clear()
+            if not self._expressible[a.key]:
+                return False
+        return True
+
     def run(self, inputs: DecodeInputs) -> torch.Tensor:
-        """Replay the smallest graph that holds the batch; float32 logits [batch, vocab]."""
+        """Replay the smallest graph that holds the batch; float32 logits [batch, vocab]. The caller has checked
+        ``fits`` and ``serves``."""
         n = inputs.input_ids.numel()
         size = next(b for b in self.buckets if b >= n)
         with_lora = bool(inputs.adapters)

@@ -55,6 +55,19 @@ def _overlaps(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def moe_lora_expressible(ranks: torch.Tensor, scalings: torch.Tensor) -> bool:
+    """Whether the fused MoE-LoRA kernel can express adapters' expert LoRA of one layer: host ranks and scalings
+    [2E, S] (expert e's gate_up at 2e, down at 2e + 1; S adapters, or [2E] for one). The kernel has one rank and one
+    scaling per adapter for every expert and both parameters."""
+    gate_up, down = ranks[0::2], ranks[1::2]  # [E, S]
+    if not (bool((gate_up == gate_up[:1]).all()) and bool((down == down[:1]).all())):
+        return False
+    r13, r2 = gate_up[0], down[0]
+    s13, s2 = scalings[0], scalings[1]
+    used = (r13 > 0) | (r2 > 0)
+    return not (bool(((r13 != r2) & used).any()) or bool(((s13 != s2) & used).any()))
+
+
 class LoraBatch:
     """Which adapter slot serves each token of a step (-1: none), and the slots' tables."""
 
@@ -72,6 +85,7 @@ class LoraBatch:
         self.segments = None
         self._shrink_scratch = None
         self._moe_cache = None
+        self._graph_experts = False
         self._expert_ranks_host = self.ranks[:, len(PROJECTIONS):].cpu() if self._has_expert_slots() else None
         self._expert_scalings_host = self.scalings[:, len(PROJECTIONS):].cpu() if self._has_expert_slots() else None
         if use_kernels:
@@ -87,8 +101,11 @@ class LoraBatch:
 
     @classmethod
     def from_tables(cls, token_slots: torch.Tensor, row_offsets: torch.Tensor, ranks: torch.Tensor,
-                    scalings: torch.Tensor, pool: torch.Tensor) -> LoraBatch:
-        """A kernel-path batch over preallocated tables (CUDA-graph replay fills them in place)."""
+                    scalings: torch.Tensor, pool: torch.Tensor, graph_experts: bool = False) -> LoraBatch:
+        """A kernel-path batch over preallocated tables (CUDA-graph replay fills them in place). graph_experts: the
+        tables hold MoE expert slots too, and every layer's experts take the fused MoE-LoRA kernel whatever the
+        tables hold at replay (``has_expert_lora`` is True, ``moe_lora`` checks nothing on the host): the caller
+        admits only adapters ``moe_lora_expressible`` accepts."""
         batch = cls.__new__(cls)
         batch.adapters = []
         batch.pool = pool
@@ -99,6 +116,8 @@ class LoraBatch:
         batch.segments = None
         batch._shrink_scratch = None
         batch._moe_cache = None
+        batch._graph_experts = graph_experts
+        batch._expert_ranks_host = batch._expert_scalings_host = None
         return batch
 
     def begin_forward(self, num_tokens: int) -> None:
@@ -116,9 +135,15 @@ class LoraBatch:
     def _has_expert_slots(self) -> bool:
         return self.row_offsets.dim() == 5 and self.row_offsets.shape[1] > len(PROJECTIONS)
 
+    def has_static_expert_path(self) -> bool:
+        """Whether every layer's experts take the fused kernel whatever the adapters (a graph-mode batch)."""
+        return self._graph_experts or not self._has_expert_slots()
+
     def has_expert_lora(self, layer: int) -> bool:
-        """Whether any adapter of the step adapts layer's experts."""
-        ranks = getattr(self, "_expert_ranks_host", None)
+        """Whether any adapter of the step adapts layer's experts (a graph-mode batch: always, see from_tables)."""
+        if self._graph_experts:
+            return True
+        ranks = self._expert_ranks_host
         return ranks is not None and bool((ranks[layer] > 0).any())
 
     def moe_lora(self, layer: int):
@@ -128,15 +153,8 @@ class LoraBatch:
         transformers-4 targets give gate_up rank 2r) goes through apply_expert instead."""
         from kernels.fused_moe_lora import MoeLora
 
-        ranks = self._expert_ranks_host[layer]  # [2E, S]: expert e's gate_up at 2e, down at 2e + 1
-        scalings = self._expert_scalings_host[layer]
-        gate_up, down = ranks[0::2], ranks[1::2]  # [E, S]
-        if not (bool((gate_up == gate_up[:1]).all()) and bool((down == down[:1]).all())):
-            return None
-        r13, r2 = gate_up[0], down[0]
-        s13, s2 = scalings[0], scalings[1]
-        used = (r13 > 0) | (r2 > 0)
-        if bool(((r13 != r2) & used).any()) or bool(((s13 != s2) & used).any()):
+        if not self._graph_experts and not moe_lora_expressible(self._expert_ranks_host[layer],
+                                                                self._expert_scalings_host[layer]):
             return None
         tables, ranks_dev, scalings_dev, token_slots = self._moe_tables()
         return MoeLora(pool=self.pool, a13_offsets=tables[layer, 0, 0], b13_offsets=tables[layer, 0, 1],

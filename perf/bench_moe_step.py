@@ -9,7 +9,7 @@ Qwen3-30B-A3B shape), a unified pool, and ``max(adapters)`` synthetic rank-16 ad
 it (q/k/v/o of every layer and both expert parameters of every expert; random values). For each
 batch of decode tokens (each sequence with ``--context`` tokens cached) and each number of
 distinct adapters (round-robin over the tokens) it times one eager forward step (median of
-triton.testing.do_bench; MoE steps are not captured in CUDA graphs) of:
+triton.testing.do_bench) of:
 
   (a) the model without LoRA
   (b) fused: the engine's kernel path (kernels.fused_moe_lora for the experts and their LoRA)
@@ -17,7 +17,10 @@ triton.testing.do_bench; MoE steps are not captured in CUDA graphs) of:
       torch, expert by expert (LoraBatch.apply_expert: the engine's own per-expert code)
 
 and prints step times, b/a, c/b, max |logits(b) - logits(c)| (the two LoRA paths agree) and
-max |logits(b) - logits(a)| (the adapters change the output).
+max |logits(b) - logits(a)| (the adapters change the output). With ``--graphs`` (CUDA) a second row
+times (a) and (b) replayed from CUDA graphs, as the engine runs decode steps (the LoRA batch in graph
+mode: every layer's experts through the fused kernel, tables read at replay), and how far each
+replay's logits are from the eager step's.
 """
 
 from __future__ import annotations
@@ -202,6 +205,21 @@ def timer(device: str):
     return once
 
 
+def graphed(fn) -> tuple:
+    """(replay, output): fn captured in a CUDA graph after two warm-up calls on a side stream (as
+    backend/cuda_graphs.py captures decode steps); output is the tensor each replay rewrites."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph.replay, out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
@@ -211,6 +229,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--graphs", action="store_true",
+                   help="also time the base and fused steps replayed from CUDA graphs (CUDA only), as the engine "
+                        "runs decode steps")
     p.add_argument("--unfused-max-batch", type=int, default=64,
                    help="time the unfused path only up to this batch (it takes ~0.1 s per token on the H200)")
     a = p.parse_args(argv)
@@ -265,6 +286,19 @@ def main(argv: list[str] | None = None) -> None:
                 unfused_cols = f"{'not run':>11} | {tb / ta:>5.2f} {'-':>5} | {'-':>8}"
             print(f"{batch:>5} {min(n, batch):>8} | {ta:>9.2f} {tb:>9.2f} {unfused_cols} {lora_effect:>8.2e}",
                   flush=True)
+            if a.graphs and device.startswith("cuda"):
+                graph_lora = LoraBatch.from_tables(lora.token_slots, lora.row_offsets, lora.ranks, lora.scalings,
+                                                   pool.storage, graph_experts=True)
+                base_replay, base_out = graphed(lambda step=step: model.forward(step, kv, None))
+                fused_replay, fused_out = graphed(lambda step=step, lo=graph_lora: model.forward(step, kv, lo))
+                tga, tgb = bench(base_replay), bench(fused_replay)
+                base_replay()
+                fused_replay()
+                torch.cuda.synchronize()
+                diff_a = (base_out - logits_a).abs().max().item()
+                diff_b = (fused_out - logits_b).abs().max().item()
+                print(f"{'':>5} {'graphs':>8} | {tga:>9.2f} {tgb:>9.2f} {'':>11} | {tgb / tga:>5.2f} {'':>5} | "
+                      f"replay vs eager: base {diff_a:.2e}, fused {diff_b:.2e}", flush=True)
     print(f"total wall time {time.time() - t0:.0f} s")
 
 

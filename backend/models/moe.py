@@ -139,10 +139,13 @@ class MoeModel(LlamaModel):
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
     def forward(self, batch: StepBatch, kv: PagedKVCache, lora: LoraBatch | None) -> torch.Tensor:
-        """LlamaModel.forward, refused inside a CUDA-graph capture (routing has data-dependent shapes)."""
-        if self.device.startswith("cuda") and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("MoE models route tokens with data-dependent shapes and cannot be captured in a "
-                               "CUDA graph; run with cuda_graphs off")
+        """LlamaModel.forward. Inside a CUDA-graph capture only the fused expert kernels can run (static shapes; the
+        torch loop over experts has data-dependent ones), with a graph-mode LoraBatch (``from_tables(...,
+        graph_experts=True)``) or none."""
+        capturing = self.device.startswith("cuda") and torch.cuda.is_current_stream_capturing()
+        if capturing and (not self.use_kernels or (lora is not None and not lora.has_static_expert_path())):
+            raise RuntimeError("an MoE decode step is captured in a CUDA graph only on the kernel path, with a "
+                               "graph-mode LoraBatch (the torch expert loop has data-dependent shapes)")
         return super().forward(batch, kv, lora)
 
     def _mlp(self, x: torch.Tensor, i: int, w: MoeLayerWeights, lora: LoraBatch | None) -> torch.Tensor:
