@@ -11,6 +11,8 @@
 #   bash perf/h200/unmeasured.sh ab $OUT       # this tree against .baseline/ (carry it too): compiled engine
 #                                              # tests, decode step with its kernels by GPU time, MoE step and
 #                                              # the n=100 headline on request (AB_MOE=1, AB_HEADLINE=1)  ~5-9 min
+#   bash perf/h200/unmeasured.sh moe_graphs $OUT # the MoE decode step in CUDA graphs: compiled engine tests,
+#                                              # bench_moe_step --graphs at batch 1-256                     ~6 min
 # A device call returns only a handful of files: each part writes one log and one .tgz of the rest, and
 # prints a short table last.
 set -u
@@ -87,8 +89,18 @@ ab)
     [ -f "$WORK/headline.txt" ] && { echo "== headline"; tr '\r' '\n' < "$WORK/headline.txt" | grep -E "^\| engine|/ base|timings" ; }
   } > "$OUT/ab.txt" 2>&1
   ;;
+moe_graphs)
+  # the MoE decode step in CUDA graphs (branch moe-decode-graphs): the compiled engine test (graph replay == eager on
+  # a tiny Qwen3-MoE, an inexpressible adapter on eager steps), then the Qwen3-30B-A3B step eager and replayed
+  TRITON_INTERPRET=0 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_engine_kernels.py \
+    -k "moe" > "$WORK/gpu_tests.txt" 2>&1
+  timeout 240 python3 -m perf.bench_moe_step --batches 1 16 64 256 --adapters 8 --unfused-max-batch 0 --graphs \
+    > "$WORK/moe_step.txt" 2>&1
+  { echo "== compiled MoE engine tests"; tail -n 4 "$WORK/gpu_tests.txt"
+    echo "== MoE step, eager and graphs"; tail -n 12 "$WORK/moe_step.txt"; } > "$OUT/moe_graphs.txt" 2>&1
+  ;;
 *)
-  echo "unknown part $PART (server, peft, steps or ab)"; exit 2
+  echo "unknown part $PART (server, peft, steps, ab or moe_graphs)"; exit 2
   ;;
 esac
 tar czf "$OUT/$PART.tgz" -C /tmp "unmeasured_$PART" 2>/dev/null
