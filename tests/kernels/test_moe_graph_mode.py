@@ -61,3 +61,29 @@ def test_moe_lora_expressible():
     other_scale = scalings.clone()
     other_scale[1::2, 0] = 1.0  # down scaled differently from gate_up
     assert not moe_lora_expressible(ranks, other_scale)
+
+
+def test_decode_graphs_serve_only_expressible_adapters():
+    """DecodeGraphs.serves on an MoE base: a batch goes to the graph only when the fused kernel expresses every one
+    of its adapters in every layer (checked once per adapter); a dense base serves everything."""
+    from types import SimpleNamespace
+
+    from backend.cuda_graphs import DecodeGraphs
+
+    layers, experts = 2, 3
+
+    def adapter(key: str, gate_up_rank: int, down_rank: int) -> SimpleNamespace:
+        ranks = torch.full((layers, 7 + 2 * experts), 4, dtype=torch.int32)
+        ranks[:, 7::2], ranks[:, 8::2] = gate_up_rank, down_rank
+        return SimpleNamespace(key=key, ranks=ranks, scalings=torch.full(ranks.shape, 2.0))
+
+    graphs = DecodeGraphs.__new__(DecodeGraphs)  # the host-side check only: no GPU buffers
+    graphs.expert_lora, graphs._expressible = True, {}
+    good, attention_only, renamed = adapter("good", 4, 4), adapter("attn", 0, 0), adapter("renamed", 8, 4)
+    assert graphs.serves([good, attention_only])
+    assert not graphs.serves([good, renamed])
+    assert graphs._expressible == {"good": True, "attn": True, "renamed": False}
+    renamed.ranks[:, 7:] = 4  # a cached verdict is not recomputed (adapters are immutable under their key)
+    assert not graphs.serves([renamed])
+    graphs.expert_lora = False
+    assert graphs.serves([renamed])
