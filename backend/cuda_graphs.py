@@ -77,6 +77,7 @@ class DecodeGraphs:
         self._expressible: dict[object, bool] = {}  # adapter key -> whether the fused MoE-LoRA kernel takes it
         self._graphs: dict[tuple[int, bool], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle()
+        self.replays = {False: 0, True: 0}  # decode steps replayed, without and with LoRA
 
     def _batch(self, size: int) -> StepBatch:
         return StepBatch(
@@ -162,4 +163,5 @@ class DecodeGraphs:
             self.ranks[:, :, :s] = torch.stack([a.ranks for a in inputs.adapters], dim=2)
             self.scalings[:, :, :s] = torch.stack([a.scalings for a in inputs.adapters], dim=2)
         g.graph.replay()
+        self.replays[with_lora] += 1
         return g.logits[:n]

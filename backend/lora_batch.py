@@ -123,8 +123,11 @@ class LoraBatch:
     def begin_forward(self, num_tokens: int) -> None:
         """Called once at the start of each forward: one zeroed buffer for the shrink outputs of every layer (their
         split-K partial sums add into it), one memset instead of one per LoRA call. Allocated per forward, so that
-        inside a CUDA-graph capture it comes from the graph's pool like the step's other temporaries."""
+        inside a CUDA-graph capture it comes from the graph's pool like the step's other temporaries. Also drops the
+        MoE kernel's tables derived from the last forward's (``_moe_tables``): a replay refills the source tables in
+        place, so a captured step must derive them inside the graph."""
         self._shrink_scratch = None
+        self._moe_cache = None
         if not self.use_kernels:
             return
         # the 7 projections only (``apply``'s modules): MoE expert slots go through moe_lora / apply_expert

@@ -43,6 +43,11 @@ def test_graph_mode_batch_matches_eager_batch(device):
     base = model.forward(step, kv, None)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert (want - base).abs().max() > 1e-2, "the adapters change the logits"
+    # a CUDA-graph replay refills the same tables in place and runs the same batch object again: what the batch
+    # derives from them (the MoE kernel's tables) must follow, not stay as they were at its first forward
+    moved = LoraBatch([2, -1, 0, 1, 0], residents, pool.storage, device, use_kernels=True)
+    graph.token_slots.copy_(moved.token_slots)
+    torch.testing.assert_close(model.forward(step, kv, graph), model.forward(step, kv, moved), rtol=1e-4, atol=1e-4)
 
 
 def test_moe_lora_expressible():
