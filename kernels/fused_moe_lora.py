@@ -29,11 +29,16 @@ pair of LoRA matrices:
 * expand: out[pair, slice cols] += scaling_s * (y @ B^T) (* routing weight for w2), added in
   place into the base GEMM's output, each element read and written once.
 
+That is the block form, for prefill-sized batches. Decode-sized batches take the pair form of
+``kernels.moe_lora_pairs`` instead: one program per (token, k) pair reads its own (adapter,
+expert) rows, with no second alignment (see ``fused_moe_lora_forward``).
+
 No Python loop over experts or adapters; lengths are not specialised (``do_not_specialize``).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -41,8 +46,9 @@ import triton
 import triton.language as tl
 
 from kernels.fused_moe import check_moe_args, fused_moe, fused_moe_gemm, moe_gemm_config, moe_reduce, silu_and_mul
-from kernels.lora_meta import cdiv, check_shape, check_tensor
+from kernels.lora_meta import cdiv, check_shape, check_tensor, sliced_offsets
 from kernels.moe_align import MoeAlignment, moe_align_block_size
+from kernels.moe_lora_pairs import moe_lora_expand_pairs, moe_lora_shrink_pairs
 
 __all__ = [
     "MoeLora",
@@ -281,11 +287,6 @@ def moe_lora_expand_config(slice_width: int, max_rank: int, block_m: int) -> dic
     return {"BLOCK_M": block_m, "BLOCK_R": 16, "BLOCK_N": block_n, "num_warps": 4}
 
 
-def _offsets4(name: str, t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    check_tensor(name, t, dtype=torch.int64, dims=(3, 4), device=device)
-    return t.unsqueeze(0) if t.dim() == 3 else t
-
-
 def _check_lora_align(align: MoeAlignment, num_slots: int, num_experts: int, block_m: int) -> None:
     if not isinstance(align, MoeAlignment):
         raise TypeError(f"align must be a MoeAlignment, got {type(align).__name__}")
@@ -337,7 +338,7 @@ def moe_lora_shrink(
     check_tensor("pool", pool, dtype=a_in.dtype, dims=1, device=device)
     if not pool.is_contiguous():
         raise ValueError("pool must be contiguous")
-    a4 = _offsets4("a_offsets", a_offsets, device)
+    a4 = sliced_offsets("a_offsets", a_offsets, device)
     num_slices, num_slots, num_experts, max_rank = a4.shape
     check_tensor("ranks", ranks, dtype=torch.int32, dims=1, device=device)
     check_shape("ranks", ranks, (num_slots,))
@@ -411,7 +412,7 @@ def moe_lora_expand(
     check_tensor("pool", pool, dims=1, device=device)
     if not pool.is_contiguous():
         raise ValueError("pool must be contiguous")
-    b4 = _offsets4("b_offsets", b_offsets, device)
+    b4 = sliced_offsets("b_offsets", b_offsets, device)
     num_slices, num_slots, num_experts, max_rank = b4.shape
     check_shape("y", y3, (num_slices, align.num_pairs, max_rank))
     check_tensor("ranks", ranks, dtype=torch.int32, dims=1, device=device)
@@ -458,13 +459,13 @@ def _check_lora(lora: MoeLora, num_tokens: int, num_experts: int, inter: int, x:
         raise TypeError(f"lora must be a MoeLora, got {type(lora).__name__}")
     device = x.device
     check_tensor("lora.pool", lora.pool, dtype=x.dtype, dims=1, device=device)
-    a13 = _offsets4("lora.a13_offsets", lora.a13_offsets, device)
+    a13 = sliced_offsets("lora.a13_offsets", lora.a13_offsets, device)
     num_slices, num_slots, lora_experts, max_rank = a13.shape
     if lora_experts != num_experts:
         raise ValueError(f"lora tables cover {lora_experts} experts, the layer has {num_experts}")
     if (2 * inter) % num_slices:
         raise ValueError(f"{num_slices} w13 LoRA slices do not divide 2I = {2 * inter}")
-    check_shape("lora.b13_offsets", _offsets4("lora.b13_offsets", lora.b13_offsets, device), tuple(a13.shape))
+    check_shape("lora.b13_offsets", sliced_offsets("lora.b13_offsets", lora.b13_offsets, device), tuple(a13.shape))
     for name in ("a2_offsets", "b2_offsets"):
         t = getattr(lora, name)
         check_tensor(f"lora.{name}", t, dtype=torch.int64, dims=3, device=device)
@@ -487,6 +488,7 @@ def fused_moe_lora_forward(
     lora: MoeLora | None = None,
     *,
     config: dict[str, int] | None = None,
+    lora_form: str | None = None,
 ) -> torch.Tensor:
     """SwiGLU MoE experts with per-(adapter, expert) LoRA on w13 and w2 (see the module docstring).
 
@@ -498,17 +500,22 @@ def fused_moe_lora_forward(
             y = w2[e] @ h + (s >= 0) * scalings[s] * B2_{s,e} @ (A2_{s,e} @ h)
             out[t] += topk_weights[t, k] * y
 
-    Launches: two alignments (by expert; by virtual expert slot * E + e, slot -1 dropped), then
-    w13 GEMM -> LoRA shrink (split-K) -> LoRA expand into the w13 output -> SiLU-and-mul -> w2
-    GEMM (routing weight applied) -> LoRA shrink -> LoRA expand (routing weight applied) -> sum
-    over k. With ``lora=None`` this is exactly ``fused_moe``; when no token has an adapter the
-    LoRA kernels touch nothing and the result is bit-identical to ``fused_moe`` as well.
+    Launches: the alignment by expert, then w13 GEMM -> LoRA shrink -> LoRA expand into the w13
+    output -> SiLU-and-mul -> w2 GEMM (routing weight applied) -> LoRA shrink -> LoRA expand
+    (routing weight applied) -> sum over k. The LoRA kernels take one of two forms (``lora_form``):
+    "blocks", over a second alignment by virtual expert slot * E + e (slot -1 dropped), a tl.dot
+    tile per (adapter, expert) block, split-K; or "pairs" (``kernels.moe_lora_pairs``), one
+    program per (token, k) pair and no second alignment, for decode-sized batches. None picks
+    "pairs" up to ``PAIR_FORM_MAX_PAIRS`` pairs (env MANYLORA_MOE_LORA_FORM=pairs|blocks forces
+    one). With ``lora=None`` this is exactly ``fused_moe``; when no token has an adapter the LoRA
+    kernels touch nothing and the result is bit-identical to ``fused_moe`` as well.
 
     Args:
         x, w13, w2, topk_ids, topk_weights: as ``kernels.fused_moe.fused_moe``.
         lora: MoeLora (pool, offset tables, ranks, scalings, token_slots) or None.
         config: optional block sizes for the base GEMMs (keys of ``moe_gemm_config``); the LoRA
-            kernels use the same BLOCK_M.
+            kernels of the block form use the same BLOCK_M.
+        lora_form: "pairs", "blocks" or None (see above).
 
     Returns:
         out [T, H], dtype of x.
@@ -525,20 +532,68 @@ def fused_moe_lora_forward(
     cfg2 = dict(config or moe_gemm_config(num_pairs, num_experts, hidden, inter))
     block_m = cfg13["BLOCK_M"]
     align = moe_align_block_size(topk_ids, num_experts, block_m)
-    lora_align = moe_align_block_size(topk_ids, num_experts, block_m, token_slots=lora.token_slots, num_slots=num_slots)
+    form = lora_form or _default_form(num_pairs)
+    if form not in ("pairs", "blocks"):
+        raise ValueError(f"lora_form must be 'pairs' or 'blocks', got {form!r}")
+    if form == "pairs":
+        shrink, expand = _pair_lora(topk_ids, lora.token_slots)
+    else:
+        lora_align = moe_align_block_size(topk_ids, num_experts, block_m, token_slots=lora.token_slots,
+                                          num_slots=num_slots)  # fmt: skip
+        shrink, expand = _block_lora(lora_align)
 
     c13 = torch.empty(num_pairs, 2 * inter, dtype=x.dtype, device=x.device)
     fused_moe_gemm(x, w13, c13, align, rows_div=top_k, config=cfg13)
-    y13 = torch.zeros(num_slices, num_pairs, max_rank, dtype=torch.float32, device=x.device)
-    moe_lora_shrink(x, lora.pool, lora.a13_offsets, lora.ranks, lora_align, y13, rows_div=top_k)
-    moe_lora_expand(y13, lora.pool, lora.b13_offsets, lora.ranks, lora.scalings, lora_align, c13)
+    y13 = _shrink_out(form, num_slices, num_pairs, max_rank, x.device)
+    shrink(x, lora.pool, lora.a13_offsets, lora.ranks, y13, rows_div=top_k)
+    expand(y13, lora.pool, lora.b13_offsets, lora.ranks, lora.scalings, c13)
 
     h = silu_and_mul(c13)
     c2 = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     fused_moe_gemm(h, w2, c2, align, rows_div=1, topk_weights=topk_weights, config=cfg2)
-    y2 = torch.zeros(1, num_pairs, max_rank, dtype=torch.float32, device=x.device)
-    moe_lora_shrink(h, lora.pool, lora.a2_offsets, lora.ranks, lora_align, y2, rows_div=1)
-    moe_lora_expand(
-        y2, lora.pool, lora.b2_offsets, lora.ranks, lora.scalings, lora_align, c2, topk_weights=topk_weights
-    )
+    y2 = _shrink_out(form, 1, num_pairs, max_rank, x.device)
+    shrink(h, lora.pool, lora.a2_offsets, lora.ranks, y2, rows_div=1)
+    expand(y2, lora.pool, lora.b2_offsets, lora.ranks, lora.scalings, c2, topk_weights=topk_weights)
     return moe_reduce(c2, num_tokens, top_k, x.dtype)
+
+
+PAIR_FORM_MAX_PAIRS = 1024  # (token, k) pairs up to which the LoRA kernels run one program per pair
+
+
+def _default_form(num_pairs: int) -> str:
+    forced = os.environ.get("MANYLORA_MOE_LORA_FORM", "")
+    if forced in ("pairs", "blocks"):
+        return forced
+    return "pairs" if num_pairs <= PAIR_FORM_MAX_PAIRS else "blocks"
+
+
+def _shrink_out(form: str, num_slices: int, num_pairs: int, max_rank: int, device: torch.device) -> torch.Tensor:
+    """The shrink's fp32 output: the block form adds into zeros; the pair form writes what the expand reads (and
+    zeroes it itself when it splits K)."""
+    alloc = torch.empty if form == "pairs" else torch.zeros
+    return alloc(num_slices, num_pairs, max_rank, dtype=torch.float32, device=device)
+
+
+def _pair_lora(topk_ids: torch.Tensor, token_slots: torch.Tensor):
+    """(shrink, expand) of the pair form, bound to the routing."""
+
+    def shrink(a_in, pool, a_offsets, ranks, y, *, rows_div):
+        moe_lora_shrink_pairs(a_in, pool, a_offsets, ranks, topk_ids, token_slots, y, rows_div=rows_div)
+
+    def expand(y, pool, b_offsets, ranks, scalings, out, topk_weights=None):
+        moe_lora_expand_pairs(y, pool, b_offsets, ranks, scalings, topk_ids, token_slots, out,
+                              topk_weights=topk_weights)  # fmt: skip
+
+    return shrink, expand
+
+
+def _block_lora(lora_align: MoeAlignment):
+    """(shrink, expand) of the block form, bound to the virtual-expert alignment."""
+
+    def shrink(a_in, pool, a_offsets, ranks, y, *, rows_div):
+        moe_lora_shrink(a_in, pool, a_offsets, ranks, lora_align, y, rows_div=rows_div)
+
+    def expand(y, pool, b_offsets, ranks, scalings, out, topk_weights=None):
+        moe_lora_expand(y, pool, b_offsets, ranks, scalings, lora_align, out, topk_weights=topk_weights)
+
+    return shrink, expand

@@ -154,6 +154,12 @@ def check_tensor(name: str, t: object, *, dtype=None, dims=None, device=None) ->
         raise ValueError(f"{name} is on {t.device}, expected {device}")
 
 
+def sliced_offsets(name: str, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """MoE-LoRA row-offset table int64 [S, E, R] or [NS, S, E, R], checked; as [NS, S, E, R]."""
+    check_tensor(name, t, dtype=torch.int64, dims=(3, 4), device=device)
+    return t.unsqueeze(0) if t.dim() == 3 else t
+
+
 def check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")

@@ -274,11 +274,13 @@ LORA_GRID = [
 ]
 
 
+@pytest.mark.parametrize("form", ["blocks", "pairs"])
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,hidden,inter,dist,ns13", LORA_GRID)
-def test_fused_moe_lora_matches_ref(device, num_tokens, num_experts, top_k, hidden, inter, dist, ns13):
-    seed = seed_of("lora", num_tokens, num_experts, top_k, hidden, dist, ns13)
+def test_fused_moe_lora_matches_ref(device, num_tokens, num_experts, top_k, hidden, inter, dist, ns13, form):
+    seed = seed_of("lora", num_tokens, num_experts, top_k, hidden, dist, ns13, form)
     case = make_case(seed, num_tokens, num_experts, top_k, hidden, inter, dist, device, num_slices13=ns13)
-    out = fused_moe_lora_forward(case.x, case.w13, case.w2, case.topk_ids, case.topk_weights, case.lora)
+    out = fused_moe_lora_forward(case.x, case.w13, case.w2, case.topk_ids, case.topk_weights, case.lora,
+                                 lora_form=form)
     ref = ref_of(case)
     assert out.shape == (num_tokens, hidden) and out.dtype == torch.float32
     torch.testing.assert_close(out, ref, **TOL)
@@ -300,7 +302,26 @@ def test_no_lora_is_fused_moe_exactly(device, num_tokens, top_k):
     base = fused_moe(*args)
     assert torch.equal(fused_moe_lora_forward(*args), base)
     assert torch.equal(fused_moe_lora_forward(*args, None), base)
-    assert torch.equal(fused_moe_lora_forward(*args, case.lora), base)  # every token has slot -1
+    for form in ("blocks", "pairs"):  # every token has slot -1
+        assert torch.equal(fused_moe_lora_forward(*args, case.lora, lora_form=form), base)
+
+
+def test_lora_form_default_and_errors(device, monkeypatch):
+    """Decode-sized batches take the pair form, larger ones the block form; the env var forces one; both give the
+    reference's result on a batch past the threshold."""
+    from kernels import fused_moe_lora as fml
+
+    assert fml._default_form(fml.PAIR_FORM_MAX_PAIRS) == "pairs"
+    assert fml._default_form(fml.PAIR_FORM_MAX_PAIRS + 1) == "blocks"
+    monkeypatch.setenv("MANYLORA_MOE_LORA_FORM", "blocks")
+    assert fml._default_form(1) == "blocks"
+    monkeypatch.delenv("MANYLORA_MOE_LORA_FORM")
+    case = make_case(seed_of("threshold"), 9, 4, 2, 48, 40, "some_none", device)
+    args = (case.x, case.w13, case.w2, case.topk_ids, case.topk_weights, case.lora)
+    monkeypatch.setattr(fml, "PAIR_FORM_MAX_PAIRS", 8)  # 18 pairs: past it
+    torch.testing.assert_close(fused_moe_lora_forward(*args), ref_of(case), **TOL)
+    with pytest.raises(ValueError, match="lora_form"):
+        fused_moe_lora_forward(*args, lora_form="rows")
 
 
 @pytest.mark.parametrize("split_k,block_k", [(1, 16), (3, 16), (2, 32), (8, 16)])
@@ -334,6 +355,44 @@ def test_shrink_split_k(device, split_k, block_k):
         torch.testing.assert_close(out[p].cpu(), before[p].cpu() + d, **TOL)
 
 
+@pytest.mark.parametrize("split_k,block_k", [(1, 16), (3, 16), (8, 16)])
+def test_pair_shrink_split_k_and_untouched_rows(device, split_k, block_k):
+    """The pair form: split-K parts add up (zeroed by the launcher), one split overwrites garbage; slot -1 pairs
+    and entries past a slot's rank are left as they were, and the expand leaves slot -1 rows alone."""
+    from kernels.moe_lora_pairs import moe_lora_expand_pairs, moe_lora_shrink_pairs
+
+    case = make_case(seed_of("pairs", split_k, block_k), 5, 4, 2, 48, 40, "some_none", device, num_slices13=2)
+    lo = case.lora
+    y = torch.full((2, 10, MAX_RANK), 7.0, device=device)  # garbage where nothing is written
+    cfg = {"BLOCK_R": 16, "BLOCK_K": block_k, "SPLIT_K": split_k, "num_warps": 4}
+    moe_lora_shrink_pairs(case.x, lo.pool, lo.a13_offsets, lo.ranks, case.topk_ids, lo.token_slots, y, rows_div=2,
+                          config=cfg)  # fmt: skip
+    ids, slots = case.topk_ids.long().flatten().cpu(), lo.token_slots.long().cpu().repeat_interleave(2)
+    ranks = lo.ranks.cpu()
+    assert (slots < 0).any() and (slots >= 0).any()
+    for p in range(10):
+        s = int(slots[p])
+        if s < 0:
+            if split_k == 1:
+                assert torch.equal(y[:, p].cpu(), torch.full((2, MAX_RANK), 7.0))
+            continue
+        r = int(ranks[s])
+        exp = case.dense["a13"][:, s, ids[p]] @ case.x[p // 2].float().cpu()
+        torch.testing.assert_close(y[:, p, :r].cpu(), exp[:, :r], **TOL)
+    out = torch.randn(10, 80, device=device)
+    before = out.clone()
+    moe_lora_expand_pairs(y, lo.pool, lo.b13_offsets, lo.ranks, lo.scalings, case.topk_ids, lo.token_slots, out,
+                          config={"BLOCK_R": 16, "BLOCK_N": 16, "num_warps": 4})  # fmt: skip
+    for p in range(10):
+        s = int(slots[p])
+        if s < 0:
+            assert torch.equal(out[p], before[p])
+            continue
+        r = int(ranks[s])
+        d = torch.cat([case.dense["b13"][i, s, ids[p]][:, :r] @ y[i, p, :r].cpu() for i in range(2)])
+        torch.testing.assert_close(out[p].cpu(), before[p].cpu() + d * lo.scalings[s].cpu(), **TOL)
+
+
 def test_gemm_config_block_m_drives_alignment(device):
     case = make_case(seed_of("cfg"), 33, 4, 2, 48, 40, "some_none", device)
     cfg = moe_gemm_config(66, 4, 80, 48)
@@ -343,12 +402,14 @@ def test_gemm_config_block_m_drives_alignment(device):
     torch.testing.assert_close(out, ref_of(case), **TOL)
 
 
+@pytest.mark.parametrize("form", ["blocks", "pairs"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision(device, dtype):
+def test_half_precision(device, dtype, form):
     if dtype == torch.bfloat16 and device == "cpu":
         pytest.skip("triton's interpreter computes bf16 tl.dot wrongly (triton 3.9); checked on GPU only")
     case = make_case(seed_of("half", str(dtype)), 5, 4, 2, 48, 40, "some_none", device, dtype=dtype)
-    out = fused_moe_lora_forward(case.x, case.w13, case.w2, case.topk_ids, case.topk_weights, case.lora)
+    out = fused_moe_lora_forward(case.x, case.w13, case.w2, case.topk_ids, case.topk_weights, case.lora,
+                                 lora_form=form)
     assert out.dtype == dtype
     ref = ref_of(case).float()
     tol = 5e-2 if dtype == torch.bfloat16 else 1e-2
@@ -400,8 +461,9 @@ def test_lengths_not_specialised():
 
     from kernels import fused_moe as fm
     from kernels import fused_moe_lora as fml
+    from kernels import moe_lora_pairs as pairs
 
-    for mod in (fm, fml):
+    for mod in (fm, fml, pairs):
         src = inspect.getsource(mod)
         for line in src.splitlines():
             if line.startswith("@triton.jit"):
