@@ -109,8 +109,9 @@ def time_ms(fn, iters: int) -> float:
     return statistics.median(times)
 
 
-def profile_kernels(fn, label: str, out_dir: Path, replays: int = 5) -> None:
-    """Print (and append to out_dir/decode_step_kernels.txt) the kernels of ``replays`` calls of fn by GPU time,
+def profile_kernels(fn, label: str, out_dir: Path, replays: int = 5,
+                    file_name: str = "decode_step_kernels.txt") -> None:
+    """Print (and append to out_dir/file_name) the kernels of ``replays`` calls of fn by GPU time,
     per step: what the step's time is made of."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -130,7 +131,7 @@ def profile_kernels(fn, label: str, out_dir: Path, replays: int = 5) -> None:
     text = "\n".join(lines)
     print(text, flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / "decode_step_kernels.txt", "a") as f:
+    with open(out_dir / file_name, "a") as f:
         f.write(text + "\n")
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from dataclasses import dataclass, replace
@@ -234,7 +235,15 @@ def main(argv: list[str] | None = None) -> None:
                         "runs decode steps")
     p.add_argument("--unfused-max-batch", type=int, default=64,
                    help="time the unfused path only up to this batch (it takes ~0.1 s per token on the H200)")
+    p.add_argument("--lora-form", choices=["auto", "pairs", "blocks"], default="auto",
+                   help="the fused MoE-LoRA kernels' form (kernels.fused_moe_lora: pairs up to 1024 (token, k) "
+                        "pairs, blocks above, by default)")
+    p.add_argument("--profile", action="store_true",
+                   help="with --graphs: also print the replayed steps' kernels by GPU time (torch.profiler)")
+    p.add_argument("--out", default="perf/results", help="where --profile appends moe_step_kernels.txt")
     a = p.parse_args(argv)
+    if a.lora_form != "auto":
+        os.environ["MANYLORA_MOE_LORA_FORM"] = a.lora_form
     s = SHAPES[a.shape]
     device = a.device
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -256,7 +265,8 @@ def main(argv: list[str] | None = None) -> None:
     gb = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
     print(f"{gb}: {a.shape} ({s.layers} layers, {s.experts} experts top-{s.top_k}, hidden {s.hidden}, "
           f"expert MLP {s.expert_intermediate}), {dtype}, rank-{a.rank} adapters on q/k/v/o and every expert, "
-          f"context {a.context}; model and adapters built in {time.time() - t0:.0f} s")
+          f"context {a.context}, MoE-LoRA kernels' form {a.lora_form}; model and adapters built in "
+          f"{time.time() - t0:.0f} s")
     head = f"{'batch':>5} {'adapters':>8} | {'(a) base':>9} {'(b) fused':>9} {'(c) unfused':>11} | {'b/a':>5} " \
            f"{'c/b':>5} | {'max|b-c|':>8} {'max|b-a|':>8}"
     print("step times in ms (median, eager)\n" + head + "\n" + "-" * len(head))
@@ -289,6 +299,7 @@ def main(argv: list[str] | None = None) -> None:
             if a.graphs and device.startswith("cuda"):
                 graph_lora = LoraBatch.from_tables(lora.token_slots, lora.row_offsets, lora.ranks, lora.scalings,
                                                    pool.storage, graph_experts=True)
+                logits_g = model.forward(step, kv, graph_lora)  # eager, the graph-mode tables: the same kernels
                 base_replay, base_out = graphed(lambda step=step: model.forward(step, kv, None))
                 fused_replay, fused_out = graphed(lambda step=step, lo=graph_lora: model.forward(step, kv, lo))
                 tga, tgb = bench(base_replay), bench(fused_replay)
@@ -296,9 +307,19 @@ def main(argv: list[str] | None = None) -> None:
                 fused_replay()
                 torch.cuda.synchronize()
                 diff_a = (base_out - logits_a).abs().max().item()
-                diff_b = (fused_out - logits_b).abs().max().item()
+                diff_g = (fused_out - logits_g).abs().max().item()
+                diff_b = (logits_g - logits_b).abs().max().item()
+                # the same eager step once more: what rounding alone moves (split-K atomics), through 48 random layers
+                noise = (model.forward(step, kv, lora) - logits_b).abs().max().item()
                 print(f"{'':>5} {'graphs':>8} | {tga:>9.2f} {tgb:>9.2f} {'':>11} | {tgb / tga:>5.2f} {'':>5} | "
-                      f"replay vs eager: base {diff_a:.2e}, fused {diff_b:.2e}", flush=True)
+                      f"replay vs eager: base {diff_a:.2e}, fused {diff_g:.2e}; graph-mode vs eager batch "
+                      f"{diff_b:.2e}; eager again {noise:.2e}", flush=True)
+                if a.profile:
+                    from perf.bench_decode_step import profile_kernels
+
+                    for label, replay in (("base", base_replay), (f"{min(n, batch)} adapters", fused_replay)):
+                        profile_kernels(replay, f"batch {batch}, {label}", Path(a.out),
+                                        file_name="moe_step_kernels.txt")
     print(f"total wall time {time.time() - t0:.0f} s")
 
 
