@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--unfused-max-batch", type=int, default=64,
                    help="time the unfused path only up to this batch (it takes ~0.1 s per token on the H200)")
     p.add_argument("--lora-form", choices=["auto", "pairs", "blocks"], default="auto",
-                   help="the fused MoE-LoRA kernels' form (kernels.fused_moe_lora: pairs up to 1024 (token, k) "
+                   help="the fused MoE-LoRA kernels' form (kernels.fused_moe_lora: pairs up to 2048 (token, k) "
                         "pairs, blocks above, by default)")
     p.add_argument("--profile", action="store_true",
                    help="with --graphs: also print the replayed steps' kernels by GPU time (torch.profiler)")
