@@ -48,6 +48,7 @@ import triton.language as tl
 from kernels.fused_moe import check_moe_args, fused_moe, fused_moe_gemm, moe_gemm_config, moe_reduce, silu_and_mul
 from kernels.lora_meta import cdiv, check_shape, check_tensor, sliced_offsets
 from kernels.moe_align import MoeAlignment, moe_align_block_size
+from kernels.moe_lora_args import check_expand_args, check_shrink_args
 from kernels.moe_lora_pairs import moe_lora_expand_pairs, moe_lora_shrink_pairs
 
 __all__ = [
@@ -333,18 +334,9 @@ def moe_lora_shrink(
         rows_div: pair p reads row ``p // rows_div`` of ``a_in`` (K for x, 1 for h).
         config: keys of ``moe_lora_shrink_config``; BLOCK_M must equal ``align.block_m``.
     """
-    check_tensor("a_in", a_in, dims=2)
-    device = a_in.device
-    check_tensor("pool", pool, dtype=a_in.dtype, dims=1, device=device)
-    if not pool.is_contiguous():
-        raise ValueError("pool must be contiguous")
-    a4 = sliced_offsets("a_offsets", a_offsets, device)
+    args = check_shrink_args(a_in, pool, a_offsets, ranks, y, align.num_pairs)
+    a4, y3 = args.offsets, args.y
     num_slices, num_slots, num_experts, max_rank = a4.shape
-    check_tensor("ranks", ranks, dtype=torch.int32, dims=1, device=device)
-    check_shape("ranks", ranks, (num_slots,))
-    check_tensor("y", y, dtype=torch.float32, dims=(2, 3), device=device)
-    y3 = y.unsqueeze(0) if y.dim() == 2 else y
-    check_shape("y", y3, (num_slices, align.num_pairs, max_rank))
     k_size = a_in.shape[1]
     cfg = dict(
         config or moe_lora_shrink_config(align.num_pairs, num_experts, k_size, max_rank, num_slices, align.block_m)
@@ -406,34 +398,11 @@ def moe_lora_expand(
         topk_weights: optional fp32 [T, K]: multiply the delta of pair p by its routing weight.
         config: keys of ``moe_lora_expand_config``; BLOCK_M must equal ``align.block_m``.
     """
-    check_tensor("y", y, dtype=torch.float32, dims=(2, 3))
-    device = y.device
-    y3 = y.unsqueeze(0) if y.dim() == 2 else y
-    check_tensor("pool", pool, dims=1, device=device)
-    if not pool.is_contiguous():
-        raise ValueError("pool must be contiguous")
-    b4 = sliced_offsets("b_offsets", b_offsets, device)
+    args = check_expand_args(y, pool, b_offsets, ranks, scalings, out, topk_weights, align.num_pairs)
+    b4, y3, rw, slice_width = args.offsets, args.y, args.routed_weights, args.slice_width
     num_slices, num_slots, num_experts, max_rank = b4.shape
-    check_shape("y", y3, (num_slices, align.num_pairs, max_rank))
-    check_tensor("ranks", ranks, dtype=torch.int32, dims=1, device=device)
-    check_shape("ranks", ranks, (num_slots,))
-    check_tensor("scalings", scalings, dtype=torch.float32, dims=1, device=device)
-    check_shape("scalings", scalings, (num_slots,))
-    check_tensor("out", out, dims=2, device=device)
-    if out.shape[0] != align.num_pairs or out.shape[1] % num_slices:
-        raise ValueError(
-            f"out must have shape ({align.num_pairs}, NS * W) with NS = {num_slices}, got {tuple(out.shape)}"
-        )
-    slice_width = out.shape[1] // num_slices
     cfg = dict(config or moe_lora_expand_config(slice_width, max_rank, align.block_m))
     _check_lora_align(align, num_slots, num_experts, cfg["BLOCK_M"])
-    if topk_weights is not None:
-        check_tensor("topk_weights", topk_weights, dtype=torch.float32, dims=2, device=device)
-        if topk_weights.numel() != align.num_pairs:
-            raise ValueError(f"topk_weights must hold {align.num_pairs} weights, got {tuple(topk_weights.shape)}")
-        rw = topk_weights.reshape(-1).contiguous()
-    else:
-        rw = y3  # not read
     if align.max_blocks == 0 or max_rank == 0 or slice_width == 0:
         return out
     num_n_blocks = cdiv(slice_width, cfg["BLOCK_N"])

@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_meta import cdiv, check_shape, check_tensor, sliced_offsets
+from kernels.lora_meta import cdiv, check_shape, check_tensor
+from kernels.moe_lora_args import check_expand_args, check_shrink_args
 
 __all__ = ["moe_lora_shrink_pairs", "moe_lora_expand_pairs", "pairs_shrink_config", "pairs_expand_config"]
 
@@ -212,20 +213,11 @@ def moe_lora_shrink_pairs(
         rows_div: pair p reads row ``p // rows_div`` of ``a_in`` (K for x, 1 for h).
         config: keys of ``pairs_shrink_config``.
     """
-    check_tensor("a_in", a_in, dims=2)
-    device = a_in.device
-    check_tensor("pool", pool, dtype=a_in.dtype, dims=1, device=device)
-    if not pool.is_contiguous():
-        raise ValueError("pool must be contiguous")
-    a4 = sliced_offsets("a_offsets", a_offsets, device)
-    num_slices, num_slots, _, max_rank = a4.shape
-    check_tensor("ranks", ranks, dtype=torch.int32, dims=1, device=device)
-    check_shape("ranks", ranks, (num_slots,))
-    check_tensor("y", y, dtype=torch.float32, dims=(2, 3), device=device)
-    y3 = y.unsqueeze(0) if y.dim() == 2 else y
+    args = check_shrink_args(a_in, pool, a_offsets, ranks, y, None)
+    a4, y3 = args.offsets, args.y
+    num_slices, _, _, max_rank = a4.shape
     num_pairs = y3.shape[1]
-    check_shape("y", y3, (num_slices, num_pairs, max_rank))
-    top_k = _check_routing(topk_ids, token_slots, num_pairs, device)
+    top_k = _check_routing(topk_ids, token_slots, num_pairs, a_in.device)
     k_size = a_in.shape[1]
     if num_pairs == 0 or max_rank == 0 or k_size == 0:
         return y
@@ -284,32 +276,11 @@ def moe_lora_expand_pairs(
         topk_weights: optional fp32 [T, K]: multiply the delta of pair p by its routing weight.
         config: keys of ``pairs_expand_config``.
     """
-    check_tensor("y", y, dtype=torch.float32, dims=(2, 3))
-    device = y.device
-    y3 = y.unsqueeze(0) if y.dim() == 2 else y
-    check_tensor("pool", pool, dims=1, device=device)
-    if not pool.is_contiguous():
-        raise ValueError("pool must be contiguous")
-    b4 = sliced_offsets("b_offsets", b_offsets, device)
-    num_slices, num_slots, _, max_rank = b4.shape
+    args = check_expand_args(y, pool, b_offsets, ranks, scalings, out, topk_weights, None)
+    b4, y3, rw, slice_width = args.offsets, args.y, args.routed_weights, args.slice_width
+    num_slices, _, _, max_rank = b4.shape
     num_pairs = y3.shape[1]
-    check_shape("y", y3, (num_slices, num_pairs, max_rank))
-    check_tensor("ranks", ranks, dtype=torch.int32, dims=1, device=device)
-    check_shape("ranks", ranks, (num_slots,))
-    check_tensor("scalings", scalings, dtype=torch.float32, dims=1, device=device)
-    check_shape("scalings", scalings, (num_slots,))
-    top_k = _check_routing(topk_ids, token_slots, num_pairs, device)
-    check_tensor("out", out, dims=2, device=device)
-    if out.shape[0] != num_pairs or out.shape[1] % num_slices:
-        raise ValueError(f"out must have shape ({num_pairs}, NS * W) with NS = {num_slices}, got {tuple(out.shape)}")
-    if topk_weights is not None:
-        check_tensor("topk_weights", topk_weights, dtype=torch.float32, dims=2, device=device)
-        if topk_weights.numel() != num_pairs:
-            raise ValueError(f"topk_weights must hold {num_pairs} weights, got {tuple(topk_weights.shape)}")
-        rw = topk_weights.reshape(-1).contiguous()
-    else:
-        rw = y3  # not read
-    slice_width = out.shape[1] // num_slices
+    top_k = _check_routing(topk_ids, token_slots, num_pairs, y.device)
     if num_pairs == 0 or max_rank == 0 or slice_width == 0:
         return out
     cfg = dict(config or pairs_expand_config(slice_width))
