@@ -1,5 +1,5 @@
-"""Argument checks shared by the two forms of the MoE-LoRA kernels (``kernels.fused_moe_lora``'s blocks,
-``kernels.moe_lora_pairs``'s pairs): the same tensors, the same layouts (see ``MoeLora``)."""
+"""Argument checks shared by the two forms of the MoE-LoRA kernels, ``kernels.moe_lora_blocks`` and
+``kernels.moe_lora_pairs``: the same tensors, the same layouts (see ``kernels.fused_moe_lora.MoeLora``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """MoE-LoRA shrink and expand in decode form: one program per (token, k) pair, no alignment.
 
-The block form in ``kernels.fused_moe_lora`` sorts the pairs by virtual expert ``slot * E + e``
+The block form (``kernels.moe_lora_blocks``) sorts the pairs by virtual expert ``slot * E + e``
 (a second ``moe_align_block_size``: a sort and some twenty small kernels per layer) so that a
 ``tl.dot`` tile reads one (adapter, expert) LoRA matrix for many pairs. In a decode step there
 are few pairs per (adapter, expert) (batch 64, top-8 of 128 experts, 8 adapters: ~0.5 on average),

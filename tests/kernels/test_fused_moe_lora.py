@@ -17,13 +17,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from kernels.fused_moe import fused_moe, fused_moe_gemm, moe_gemm_config  # noqa: E402
-from kernels.fused_moe_lora import (  # noqa: E402
-    MoeLora,
-    fused_moe_lora_forward,
-    moe_lora_expand,
-    moe_lora_shrink,
-)
+from kernels.fused_moe_lora import MoeLora, fused_moe_lora_forward  # noqa: E402
 from kernels.moe_align import moe_align_block_size, virtual_expert_ids  # noqa: E402
+from kernels.moe_lora_blocks import moe_lora_expand, moe_lora_shrink  # noqa: E402
 from kernels.reference import ref_fused_moe, ref_fused_moe_lora  # noqa: E402
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}
@@ -461,9 +457,10 @@ def test_lengths_not_specialised():
 
     from kernels import fused_moe as fm
     from kernels import fused_moe_lora as fml
+    from kernels import moe_lora_blocks as blocks
     from kernels import moe_lora_pairs as pairs
 
-    for mod in (fm, fml, pairs):
+    for mod in (fm, fml, blocks, pairs):
         src = inspect.getsource(mod)
         for line in src.splitlines():
             if line.startswith("@triton.jit"):
