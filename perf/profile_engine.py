@@ -13,8 +13,11 @@ the device, so each phase's wall time is its own. Prints a table per run and wri
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import tempfile
 import time
 from collections import Counter
@@ -122,6 +125,7 @@ class StepProfiler:
         self.engine = engine
         # trace_eager_steps(): eager steps to record with torch.profiler (kernels and host ops)
         self.trace_steps, self.trace_min_adapters, self.trace_out, self.traced = 0, 1, None, 0
+        self.python_profile: cProfile.Profile | None = None  # profile_python(): every step's Python functions
         self.records: list[StepRecord] = []
         self.compiles = CompileCounter()
         self._current: StepRecord | None = None
@@ -177,9 +181,13 @@ class StepProfiler:
             e.scheduler.schedule = capture_plan
             t = time.perf_counter()
             tracer = self._maybe_trace()
+            if self.python_profile is not None:
+                self.python_profile.enable()
             try:
                 ran = step()
             finally:
+                if self.python_profile is not None:
+                    self.python_profile.disable()
                 if tracer is not None:
                     self._finish_trace(tracer, plan_box)
                 e.scheduler.schedule = schedule
@@ -203,6 +211,21 @@ class StepProfiler:
         """Record the next ``steps`` eager steps with at least ``min_adapters`` adapters into ``out``."""
         self.trace_steps, self.trace_min_adapters, self.trace_out, self.traced = steps, min_adapters, out, 0
         out.unlink(missing_ok=True)
+
+    def profile_python(self) -> None:
+        """From now on, run every step under cProfile (the engine thread's Python functions, host time)."""
+        self.python_profile = cProfile.Profile()
+
+    def write_python_profile(self, out: Path, limit: int = 45) -> None:
+        """The profiled steps' functions by own time and by cumulative time into ``out``."""
+        if self.python_profile is None:
+            return
+        text = io.StringIO()
+        for key in ("tottime", "cumulative"):
+            text.write(f"\n-- by {key}\n")
+            pstats.Stats(self.python_profile, stream=text).sort_stats(key).print_stats(limit)
+        out.write_text(text.getvalue())
+        self.python_profile = None
 
     def _maybe_trace(self):
         """A started torch.profiler for this step while traces are wanted and the waiting batch looks
@@ -281,6 +304,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="record this many eager steps of the last adapter count with torch.profiler "
                         "(top ops by device and host time to <out>/trace.txt)")
     p.add_argument("--trace-min-adapters", type=int, default=8)
+    p.add_argument("--python-profile", action="store_true",
+                   help="run the last adapter count's steps under cProfile (host time by Python function, "
+                        "to <out>/python_profile.txt; slows the run)")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/profile"))
     a = p.parse_args(argv)
     d = DEFAULTS[a.shape]
@@ -315,6 +341,8 @@ def main(argv: list[str] | None = None) -> None:
         for n in a.adapters:
             if a.trace_steps and n == a.adapters[-1]:
                 profiler.trace_eager_steps(a.trace_steps, a.trace_min_adapters, out / "trace.txt")
+            if a.python_profile and n == a.adapters[-1]:
+                profiler.profile_python()
             trace = generate_trace(WorkloadConfig(
                 num_adapters=max(n, 1), alpha=1.0, rate=rate, cv=1.0, duration_s=duration,
                 input_range=d["input_range"], output_range=d["output_range"], seed=0, vocab_range=(4, shape.vocab)))
@@ -331,6 +359,7 @@ def main(argv: list[str] | None = None) -> None:
                               host.loads - loads0, host.load_seconds - load_s0, loop)
             profiles.append(prof)
             print_profile(prof.summary(), summary.req_per_s)
+            profiler.write_python_profile(out / "python_profile.txt")
         engine.shutdown()
     (out / "profile.json").write_text(json.dumps(
         {"shape": a.shape, "device": device, "rate": rate, "duration_s": duration,
