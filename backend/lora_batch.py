@@ -85,6 +85,7 @@ class LoraBatch:
         self.segments = None
         self._shrink_scratch = None
         self._moe_cache = None
+        self._launches: dict[tuple, object] = {}  # prepared kernel launches, by shapes (shrink / expand)
         self._graph_experts = False
         self._expert_ranks_host = self.ranks[:, len(PROJECTIONS):].cpu() if self._has_expert_slots() else None
         self._expert_scalings_host = self.scalings[:, len(PROJECTIONS):].cpu() if self._has_expert_slots() else None
@@ -116,6 +117,7 @@ class LoraBatch:
         batch.segments = None
         batch._shrink_scratch = None
         batch._moe_cache = None
+        batch._launches = {}
         batch._graph_experts = graph_experts
         batch._expert_ranks_host = batch._expert_scalings_host = None
         return batch
@@ -128,6 +130,7 @@ class LoraBatch:
         place, so a captured step must derive them inside the graph."""
         self._shrink_scratch = None
         self._moe_cache = None
+        self._launches = {}
         if not self.use_kernels:
             return
         # the 7 projections only (``apply``'s modules): MoE expert slots go through moe_lora / apply_expert
@@ -221,7 +224,7 @@ class LoraBatch:
         """Kernel path, first half of ``apply``: launch the shrink of ``modules`` for input x [T, in]. It needs only x,
         so callers launch it before the base projection; inside a CUDA-graph capture it runs on a side stream, beside
         the base GEMM (the decode step's graph gets the two as parallel branches). ``expand`` joins it."""
-        from kernels.lora_shrink import lora_shrink
+        from kernels.lora_shrink import prepare_shrink
 
         first, n = MODULE_INDEX[modules[0]], len(modules)
         mods = slice(first, first + n)
@@ -233,23 +236,34 @@ class LoraBatch:
         side = _side_stream(x) if _overlaps(x) else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(x.device))
+        tables, ranks = self.row_offsets[layer, mods, 0], self.ranks[layer, mods]
+        # every layer launches the same shapes: checked and configured once per forward (see begin_forward)
+        key = ("shrink", first, n, tuple(x.shape), x.dtype, scratch is not None)
+        launch = self._launches.get(key)
+        if launch is None:
+            launch = self._launches[key] = prepare_shrink(x, self.pool, tables, ranks, self.token_slots, y,
+                                                          segments=self.segments, out_is_zero=scratch is not None)
         with torch.cuda.stream(side) if side is not None else nullcontext():
-            lora_shrink(x, self.pool, self.row_offsets[layer, mods, 0], self.ranks[layer, mods], self.token_slots, y,
-                        segments=self.segments, out_is_zero=scratch is not None)
+            launch.launch(x, self.pool, tables, ranks, self.token_slots, y)
         return PendingShrink(y, layer, mods, side)
 
     def expand(self, pending: PendingShrink, out: torch.Tensor, widths: tuple[int, ...]) -> None:
         """Kernel path, second half of ``apply``: add the expand of a ``shrink`` into out [T, sum(widths)]."""
-        from kernels.lora_expand import lora_expand
+        from kernels.lora_expand import prepare_expand
 
         if pending.side_stream is not None:
             torch.cuda.current_stream(out.device).wait_stream(pending.side_stream)
-        bounds = [0]
-        for w in widths:
-            bounds.append(bounds[-1] + w)
         layer, mods = pending.layer, pending.modules
-        lora_expand(pending.y, self.pool, self.row_offsets[layer, mods, 1], self.ranks[layer, mods],
-                    self.scalings[layer, mods], self.token_slots, out, bounds, segments=self.segments)
+        tables, ranks, scalings = self.row_offsets[layer, mods, 1], self.ranks[layer, mods], self.scalings[layer, mods]
+        key = ("expand", mods.start, widths, tuple(out.shape), out.dtype, pending.y.shape)
+        launch = self._launches.get(key)
+        if launch is None:
+            bounds = [0]
+            for w in widths:
+                bounds.append(bounds[-1] + w)
+            launch = self._launches[key] = prepare_expand(pending.y, self.pool, tables, ranks, scalings,
+                                                          self.token_slots, out, bounds, segments=self.segments)
+        launch.launch(pending.y, self.pool, tables, ranks, scalings, self.token_slots, out)
 
     def _apply_torch(self, x: torch.Tensor, out: torch.Tensor, layer: int, m: int) -> None:
         n_in, n_out = x.shape[1], out.shape[1]

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.lora_meta import FLOAT_DTYPES, SegmentMeta, cdiv, check_segments, check_shape, check_tensor, sgmv_block_m
+from kernels.relaunch import Relauncher
 
-__all__ = ["lora_expand", "expand_config"]
+__all__ = ["ExpandLaunch", "expand_config", "lora_expand", "prepare_expand"]
 
 # Step-to-step values (token and segment counts, strides that follow the number of tokens or of
 # adapter slots) and slot-table pointers whose alignment follows the slot count: not specialised
@@ -250,6 +252,48 @@ def _slice_bounds(
     return cached, widest
 
 
+@dataclass(frozen=True)
+class ExpandLaunch:
+    """A checked ``lora_expand`` launch (``prepare_expand``): the form, grid, block sizes and slice bounds for tensors
+    of the shapes, dtypes and device it was prepared with. ``launch`` checks nothing (see ``ShrinkLaunch``)."""
+
+    grid: tuple[int, ...]  # () when there is nothing to launch
+    meta: dict[str, object]  # the kernel's compile-time parameters
+    bounds: torch.Tensor  # int32 [num_slices + 1] on the device
+    single: bool  # 2-D y and tables (one slice)
+    segments: SegmentMeta | None = None
+    tiles: torch.Tensor | None = None
+    relaunch: Relauncher | None = None  # the kernel with ``meta``: launches after the first skip Triton's dispatch
+
+    def launch(self, y: torch.Tensor, pool: torch.Tensor, b_row_offsets: torch.Tensor, ranks: torch.Tensor,
+               scalings: torch.Tensor, token_slots: torch.Tensor, base_out: torch.Tensor) -> torch.Tensor:
+        """``lora_expand``'s semantics for these tensors (shaped as the prepared ones); returns ``base_out``."""
+        if not self.grid:
+            return base_out
+        if self.single:
+            y, b_row_offsets = y.unsqueeze(0), b_row_offsets.unsqueeze(0)
+            ranks, scalings = ranks.unsqueeze(0), scalings.unsqueeze(0)
+        strides = (
+            y.stride(0), y.stride(1), y.stride(2),
+            b_row_offsets.stride(0), b_row_offsets.stride(1), b_row_offsets.stride(2),
+            ranks.stride(0), ranks.stride(1),
+            scalings.stride(0), scalings.stride(1),
+            base_out.stride(0), base_out.stride(1),
+        )  # fmt: skip
+        if self.segments is None:
+            self.relaunch(
+                self.grid, y, pool, b_row_offsets, ranks, scalings, token_slots, self.bounds, base_out,
+                y.shape[1], *strides,
+            )  # fmt: skip
+        else:
+            seg = self.segments
+            self.relaunch(
+                self.grid, y, pool, b_row_offsets, ranks, scalings,
+                seg.token_order, seg.seg_starts, seg.seg_slots, self.tiles, self.bounds, base_out, *strides,
+            )  # fmt: skip
+        return base_out
+
+
 def lora_expand(
     y: torch.Tensor,
     pool: torch.Tensor,
@@ -298,9 +342,31 @@ def lora_expand(
         segments: optional SegmentMeta built from this ``token_slots``: use the SGMV form.
         config: optional block-size override (keys as returned by ``expand_config``).
 
+    ``lora_expand(...)`` is ``prepare_expand(...).launch(...)`` with the same tensors: callers that launch the
+    same shapes many times (every layer of a step) prepare once.
+
     Returns:
         ``base_out``.
     """
+    prepared = prepare_expand(y, pool, b_row_offsets, ranks, scalings, token_slots, base_out, slice_offsets,
+                              segments=segments, config=config)
+    return prepared.launch(y, pool, b_row_offsets, ranks, scalings, token_slots, base_out)
+
+
+def prepare_expand(
+    y: torch.Tensor,
+    pool: torch.Tensor,
+    b_row_offsets: torch.Tensor,
+    ranks: torch.Tensor,
+    scalings: torch.Tensor,
+    token_slots: torch.Tensor,
+    base_out: torch.Tensor,
+    slice_offsets: Sequence[int] | torch.Tensor | None = None,
+    *,
+    segments: SegmentMeta | None = None,
+    config: dict[str, int] | None = None,
+) -> ExpandLaunch:
+    """Check ``lora_expand``'s arguments and choose its launch (see ``lora_expand`` for them); nothing runs."""
     check_tensor("y", y, dtype=torch.float32, dims=(2, 3))
     device = y.device
     single = y.dim() == 2
@@ -316,10 +382,8 @@ def lora_expand(
     check_shape("b_row_offsets", b3, (num_slices, num_slots, max_rank))
     check_tensor("ranks", ranks, dtype=torch.int32, dims=dims - 1, device=device)
     check_tensor("scalings", scalings, dtype=torch.float32, dims=dims - 1, device=device)
-    ranks3 = ranks.unsqueeze(0) if single else ranks
-    scalings3 = scalings.unsqueeze(0) if single else scalings
-    check_shape("ranks", ranks3, (num_slices, num_slots))
-    check_shape("scalings", scalings3, (num_slices, num_slots))
+    check_shape("ranks", ranks.unsqueeze(0) if single else ranks, (num_slices, num_slots))
+    check_shape("scalings", scalings.unsqueeze(0) if single else scalings, (num_slices, num_slots))
     check_tensor("token_slots", token_slots, dtype=torch.int32, dims=1, device=device)
     check_shape("token_slots", token_slots, (num_tokens,))
     check_tensor("base_out", base_out, dtype=FLOAT_DTYPES, dims=2, device=device)
@@ -328,40 +392,19 @@ def lora_expand(
     if slice_offsets is None:
         slice_offsets = [0, base_out.shape[1]]
     bounds, max_out = _slice_bounds(slice_offsets, num_slices, base_out.shape[1], device)
+    nothing = ExpandLaunch((), {}, bounds, single)
     if num_tokens == 0 or max_rank == 0 or num_slots == 0 or max_out == 0:
-        return base_out
-
-    strides = (
-        y3.stride(0), y3.stride(1), y3.stride(2),
-        b3.stride(0), b3.stride(1), b3.stride(2),
-        ranks3.stride(0), ranks3.stride(1),
-        scalings3.stride(0), scalings3.stride(1),
-        base_out.stride(0), base_out.stride(1),
-    )  # fmt: skip
+        return nothing
     if segments is None:
         cfg = dict(config or expand_config(num_tokens, max_out, max_rank, segmented=False, num_slices=num_slices))
-        grid = (num_tokens, cdiv(max_out, cfg["BLOCK_N"]), num_slices)
-        _lora_expand_bgmv_kernel[grid](
-            y3, pool, b3, ranks3, scalings3, token_slots, bounds, base_out,
-            num_tokens,
-            *strides,
-            **cfg,
-        )  # fmt: skip
-        return base_out
-
+        return ExpandLaunch((num_tokens, cdiv(max_out, cfg["BLOCK_N"]), num_slices), cfg, bounds, single,
+                            relaunch=Relauncher(_lora_expand_bgmv_kernel, cfg))
     check_segments(segments, num_tokens, device)
     if segments.num_segments == 0:
-        return base_out
+        return nothing
     cfg = dict(config or expand_config(num_tokens, max_out, max_rank, True, segments.max_seg_len))
     num_n_blocks = cdiv(max_out, cfg["BLOCK_N"])
     tiles = segments.tiles(cfg["BLOCK_M"])
-    grid = (num_slices * num_n_blocks, tiles.shape[0])
-    _lora_expand_sgmv_kernel[grid](
-        y3, pool, b3, ranks3, scalings3,
-        segments.token_order, segments.seg_starts, segments.seg_slots, tiles, bounds, base_out,
-        *strides,
-        NUM_N_BLOCKS=num_n_blocks,
-        DOT_PRECISION="ieee",
-        **cfg,
-    )  # fmt: skip
-    return base_out
+    meta = {**cfg, "NUM_N_BLOCKS": num_n_blocks, "DOT_PRECISION": "ieee"}
+    return ExpandLaunch((num_slices * num_n_blocks, tiles.shape[0]), meta, bounds, single, segments, tiles,
+                        Relauncher(_lora_expand_sgmv_kernel, meta))

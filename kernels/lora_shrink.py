@@ -18,15 +18,18 @@ Adapter rows live in the flat ``pool``: row k of A for slot s starts at pool ele
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.lora_meta import FLOAT_DTYPES, SegmentMeta, cdiv, check_segments, check_shape, check_tensor, sgmv_block_m
+from kernels.relaunch import Relauncher
 
-__all__ = ["lora_shrink", "shrink_config"]
+__all__ = ["ShrinkLaunch", "lora_shrink", "prepare_shrink", "shrink_config"]
 
 # Values that change from step to step (token and segment counts, strides that follow the number
 # of tokens or of adapter slots, K splits) and table pointers whose 16-byte alignment follows the
@@ -295,6 +298,55 @@ def shrink_config(*args, **kwargs) -> dict[str, int]:
     return dict(_shrink_config_cached(*args, **kwargs))
 
 
+@dataclass(frozen=True)
+class ShrinkLaunch:
+    """A checked ``lora_shrink`` launch (``prepare_shrink``): the form, grid, block sizes and K split for tensors
+    of the shapes, dtypes and device it was prepared with. ``launch`` checks nothing: a step prepares each
+    projection group's launch once and launches it for every layer with that layer's views of the same tables
+    (the checks, the heuristic and the grid arithmetic cost more host time than the launch itself)."""
+
+    grid: tuple[int, ...]  # () when there is nothing to launch
+    meta: dict[str, object]  # the kernel's compile-time parameters
+    k_split_len: int
+    split_k: int
+    zero_out: bool  # zero ``out`` before the kernel adds into it (or instead of it, with an empty grid)
+    single: bool  # 2-D tables and output (one slice)
+    segments: SegmentMeta | None = None
+    tiles: torch.Tensor | None = None
+    relaunch: Relauncher | None = None  # the kernel with ``meta``: launches after the first skip Triton's dispatch
+
+    def launch(self, x: torch.Tensor, pool: torch.Tensor, a_row_offsets: torch.Tensor, ranks: torch.Tensor,
+               token_slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``lora_shrink``'s semantics for these tensors (shaped as the prepared ones); returns ``out``."""
+        if self.zero_out:
+            out.zero_()
+        if not self.grid:
+            return out
+        if self.single:
+            a_row_offsets, ranks, out3 = a_row_offsets.unsqueeze(0), ranks.unsqueeze(0), out.unsqueeze(0)
+        else:
+            out3 = out
+        strides = (
+            x.stride(0), x.stride(1),
+            a_row_offsets.stride(0), a_row_offsets.stride(1), a_row_offsets.stride(2),
+            ranks.stride(0), ranks.stride(1),
+            out3.stride(0), out3.stride(1), out3.stride(2),
+        )  # fmt: skip
+        num_tokens, in_features = x.shape
+        if self.segments is None:
+            self.relaunch(
+                self.grid, x, pool, a_row_offsets, ranks, token_slots, out3,
+                num_tokens, in_features, a_row_offsets.shape[2], self.k_split_len, self.split_k, *strides,
+            )  # fmt: skip
+        else:
+            seg = self.segments
+            self.relaunch(
+                self.grid, x, pool, a_row_offsets, ranks, seg.token_order, seg.seg_starts, seg.seg_slots, self.tiles,
+                out3, in_features, self.k_split_len, self.split_k, *strides,
+            )  # fmt: skip
+        return out
+
+
 def lora_shrink(
     x: torch.Tensor,
     pool: torch.Tensor,
@@ -339,6 +391,9 @@ def lora_shrink(
     Nothing here synchronises with the host or allocates: the launcher can be captured in a
     CUDA graph (without ``segments``; ``build_segments`` reads back to the host).
 
+    ``lora_shrink(...)`` is ``prepare_shrink(...).launch(...)`` with the same tensors: callers that launch the
+    same shapes many times (every layer of a step) prepare once.
+
     Args:
         x: [T, in_features], dtype of ``pool`` (fp16/bf16/fp32). Any strides.
         pool: [P], 1-D contiguous flat pool holding the adapter rows.
@@ -357,6 +412,24 @@ def lora_shrink(
     Returns:
         ``out``.
     """
+    prepared = prepare_shrink(x, pool, a_row_offsets, ranks, token_slots, out, segments=segments, config=config,
+                              out_is_zero=out_is_zero)
+    return prepared.launch(x, pool, a_row_offsets, ranks, token_slots, out)
+
+
+def prepare_shrink(
+    x: torch.Tensor,
+    pool: torch.Tensor,
+    a_row_offsets: torch.Tensor,
+    ranks: torch.Tensor,
+    token_slots: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    segments: SegmentMeta | None = None,
+    config: dict[str, int] | None = None,
+    out_is_zero: bool = False,
+) -> ShrinkLaunch:
+    """Check ``lora_shrink``'s arguments and choose its launch (see ``lora_shrink`` for them); nothing runs."""
     check_tensor("x", x, dtype=FLOAT_DTYPES, dims=2)
     device = x.device
     check_tensor("pool", pool, dtype=x.dtype, dims=1, device=device)
@@ -364,71 +437,45 @@ def lora_shrink(
         raise ValueError("pool must be contiguous")
     check_tensor("a_row_offsets", a_row_offsets, dtype=torch.int64, dims=(2, 3), device=device)
     single = a_row_offsets.dim() == 2
-    if single:
-        a_row_offsets = a_row_offsets.unsqueeze(0)
-    num_slices, num_slots, max_rank = a_row_offsets.shape
+    a3 = a_row_offsets.unsqueeze(0) if single else a_row_offsets
+    num_slices, num_slots, max_rank = a3.shape
     num_tokens, in_features = x.shape
     check_tensor("ranks", ranks, dtype=torch.int32, dims=1 if single else 2, device=device)
     check_tensor("token_slots", token_slots, dtype=torch.int32, dims=1, device=device)
     check_tensor("out", out, dtype=torch.float32, dims=2 if single else 3, device=device)
-    ranks3 = ranks.unsqueeze(0) if single else ranks
-    out3 = out.unsqueeze(0) if single else out
-    check_shape("ranks", ranks3, (num_slices, num_slots))
+    check_shape("ranks", ranks.unsqueeze(0) if single else ranks, (num_slices, num_slots))
     check_shape("token_slots", token_slots, (num_tokens,))
-    check_shape("out", out3, (num_slices, num_tokens, max_rank))
+    check_shape("out", out.unsqueeze(0) if single else out, (num_slices, num_tokens, max_rank))
+    nothing = ShrinkLaunch((), {}, 0, 0, zero_out=False, single=single)
     if num_tokens == 0 or max_rank == 0:
-        return out
+        return nothing
     if num_slots == 0 or in_features == 0:
-        out.zero_()
-        return out
-
-    strides = (
-        x.stride(0), x.stride(1),
-        a_row_offsets.stride(0), a_row_offsets.stride(1), a_row_offsets.stride(2),
-        ranks3.stride(0), ranks3.stride(1),
-        out3.stride(0), out3.stride(1), out3.stride(2),
-    )  # fmt: skip
+        return dataclasses.replace(nothing, zero_out=True)
+    row_align = 16 // pool.element_size()
     if segments is None:
         cfg = shrink_config(num_tokens, in_features, max_rank, segmented=False, num_slices=num_slices)
         cfg.update(config or {})
         num_r_blocks, k_split_len, split_k = _grid_split(cfg, in_features, max_rank)
-        if split_k > 1 and not out_is_zero:
-            out.zero_()  # the splits add into it
-        grid = (num_tokens, split_k, num_slices * num_r_blocks)
-        _lora_shrink_bgmv_kernel[grid](
-            x, pool, a_row_offsets, ranks3, token_slots, out3,
-            num_tokens, in_features, max_rank, k_split_len, split_k,
-            *strides,
-            **_meta(cfg),
-            NUM_R_BLOCKS=num_r_blocks,
-            EVEN_K=in_features % cfg["BLOCK_K"] == 0,
-            ROW_ALIGN=16 // pool.element_size(),
-        )  # fmt: skip
-        return out
+        meta = {**_meta(cfg), "NUM_R_BLOCKS": num_r_blocks, "EVEN_K": in_features % cfg["BLOCK_K"] == 0,
+                "ROW_ALIGN": row_align}
+        return ShrinkLaunch((num_tokens, split_k, num_slices * num_r_blocks), meta, k_split_len, split_k,
+                            zero_out=split_k > 1 and not out_is_zero, single=single,
+                            relaunch=Relauncher(_lora_shrink_bgmv_kernel, meta))
 
     check_segments(segments, num_tokens, device)
-    if not out_is_zero:
-        out.zero_()  # slot -1 tokens have no program; the splits add into it
-    if segments.num_segments == 0:
-        return out
+    if segments.num_segments == 0:  # slot -1 tokens only: no program; their rows are zero
+        return dataclasses.replace(nothing, zero_out=not out_is_zero)
     cfg = shrink_config(num_tokens, in_features, max_rank, True, segments.max_seg_len, num_slices,
                         segments.num_segments)  # fmt: skip
     cfg.update(config or {})
     num_r_blocks, k_split_len, split_k = _grid_split(cfg, in_features, max_rank)
     tiles = segments.tiles(cfg["BLOCK_M"])
-    grid = (num_slices * num_r_blocks * split_k, tiles.shape[0])
-    _lora_shrink_sgmv_kernel[grid](
-        x, pool, a_row_offsets, ranks3,
-        segments.token_order, segments.seg_starts, segments.seg_slots, tiles, out3,
-        in_features, k_split_len, split_k,
-        *strides,
-        **_meta(cfg, always_atomic=True),
-        NUM_R_BLOCKS=num_r_blocks,
-        EVEN_K=in_features % cfg["BLOCK_K"] == 0,
-        DOT_PRECISION="ieee",
-        ROW_ALIGN=16 // pool.element_size(),
-    )  # fmt: skip
-    return out
+    meta = {**_meta(cfg, always_atomic=True), "NUM_R_BLOCKS": num_r_blocks,
+            "EVEN_K": in_features % cfg["BLOCK_K"] == 0, "DOT_PRECISION": "ieee", "ROW_ALIGN": row_align}
+    # slot -1 tokens have no program, and the splits add: the output starts at zero
+    return ShrinkLaunch((num_slices * num_r_blocks * split_k, tiles.shape[0]), meta, k_split_len, split_k,
+                        zero_out=not out_is_zero, single=single, segments=segments, tiles=tiles,
+                        relaunch=Relauncher(_lora_shrink_sgmv_kernel, meta))
 
 
 def _meta(cfg: dict[str, int], always_atomic: bool = False) -> dict[str, int]:
