@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from kernels.lora_meta import FLOAT_DTYPES, check_shape, check_tensor
+from kernels.relaunch import relauncher
 
 __all__ = ["add_rms_norm"]
 
@@ -82,11 +83,10 @@ def add_rms_norm(
     if num_rows == 0:
         return out, total
     block = triton.next_power_of_2(n_cols)
-    _add_rms_norm_kernel[(num_rows,)](
-        x, delta if delta is not None else x, weight, total, out,
+    launch = relauncher(_add_rms_norm_kernel, HAS_DELTA=delta is not None, BLOCK=block,
+                        num_warps=8 if block >= 4096 else 4)
+    launch(
+        (num_rows,), x, delta if delta is not None else x, weight, total, out,
         n_cols, x.stride(0), (delta if delta is not None else x).stride(0), total.stride(0), out.stride(0), float(eps),
-        HAS_DELTA=delta is not None,
-        BLOCK=block,
-        num_warps=8 if block >= 4096 else 4,
     )  # fmt: skip
     return out, total

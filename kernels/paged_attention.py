@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels.lora_meta import FLOAT_DTYPES, check_tensor
+from kernels.relaunch import relauncher
 
 __all__ = ["paged_decode_attention", "attention_config"]
 
@@ -209,18 +210,14 @@ def paged_decode_attention(
     stride_layer = 2 * stride_kv
     stride_page = num_layers * stride_layer
     cfg = dict(config or attention_config(group, head_dim, page_size))
-    grid = (batch, num_kv_heads)
-    _paged_decode_attention_kernel[grid](
-        q, pool, block_tables, seq_lens if table_rows is None else table_rows, seq_lens, out,
+    launch = relauncher(_paged_decode_attention_kernel, PAGE_SIZE=page_size, GROUP=group, DOT_PRECISION="ieee",
+                        HAS_TABLE_ROWS=table_rows is not None, **cfg)
+    launch(
+        (batch, num_kv_heads), q, pool, block_tables, seq_lens if table_rows is None else table_rows, seq_lens, out,
         layer, head_dim, float(scale) * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         block_tables.stride(0), block_tables.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         stride_page, stride_layer, stride_kv, stride_slot,
-        PAGE_SIZE=page_size,
-        GROUP=group,
-        DOT_PRECISION="ieee",
-        HAS_TABLE_ROWS=table_rows is not None,
-        **cfg,
     )  # fmt: skip
     return out

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels.lora_meta import FLOAT_DTYPES, cdiv, check_tensor
+from kernels.relaunch import relauncher
 
 __all__ = ["silu_mul"]
 
@@ -65,7 +66,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if num_rows == 0 or width == 0:
         return out
     block = min(BLOCK, triton.next_power_of_2(width))
-    _silu_mul_kernel[(num_rows, cdiv(width, block))](
-        gate_up, out, width, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4,
-    )  # fmt: skip
+    relaunch = relauncher(_silu_mul_kernel, BLOCK=block, num_warps=4)
+    relaunch((num_rows, cdiv(width, block)), gate_up, out, width, gate_up.stride(0), out.stride(0))
     return out

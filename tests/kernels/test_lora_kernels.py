@@ -281,6 +281,42 @@ def test_chain_matches_dense(device, segmented):
     torch.testing.assert_close(out.cpu(), base + delta, **TOL)
 
 
+@pytest.mark.parametrize("segmented", [False, True])
+def test_prepared_launch_serves_every_layer(device, segmented):
+    """A launch prepared once (as a step does for its first layer) and launched for other layers' tensors (fresh
+    inputs, other views of the tables, other outputs) gives each layer its own result. Compiled, launches after the
+    first with the same argument signature skip Triton's dispatch (kernels/relaunch.py): they must still launch the
+    right kernel."""
+    from kernels.lora_expand import prepare_expand
+    from kernels.lora_shrink import prepare_shrink
+
+    case = make_case(seed_of("prepared", segmented), 23, 136, [96, 32, 32], "some_none", device)
+    layers = 4
+    a_tables = case.a_row_offsets.unsqueeze(0).repeat(layers, 1, 1, 1)  # every layer's view: a distinct tensor
+    b_tables = case.b_row_offsets.unsqueeze(0).repeat(layers, 1, 1, 1)
+    ranks = case.ranks.unsqueeze(0).repeat(layers, 1, 1)
+    scalings = case.scalings.unsqueeze(0).repeat(layers, 1, 1)
+    segments = build_segments(case.token_slots) if segmented else None
+    xs = [torch.randn(case.x.shape, generator=case.gen).to(device) for _ in range(layers)]
+    ys = [poisoned((3, 23, 16), device) for _ in range(layers)]
+    bases = [torch.randn(23, 160, generator=case.gen) for _ in range(layers)]
+    outs = [b.to(device, copy=True) for b in bases]
+    shrink = prepare_shrink(xs[0], case.pool, a_tables[0], ranks[0], case.token_slots, ys[0], segments=segments)
+    expand = prepare_expand(ys[0], case.pool, b_tables[0], ranks[0], scalings[0], case.token_slots, outs[0],
+                            case.slice_bounds, segments=segments)  # fmt: skip
+    for layer in range(layers):
+        shrink.launch(xs[layer], case.pool, a_tables[layer], ranks[layer], case.token_slots, ys[layer])
+        expand.launch(ys[layer], case.pool, b_tables[layer], ranks[layer], scalings[layer], case.token_slots,
+                      outs[layer])  # fmt: skip
+    for layer in range(layers):
+        case.x = xs[layer]
+        _, delta = dense_lora(case)
+        torch.testing.assert_close(outs[layer].cpu(), bases[layer] + delta, **TOL)
+    if device == "cuda":  # a layer whose tensors align differently dispatches once more (ranks[1] is 8 bytes off)
+        assert shrink.relaunch.direct_launches >= layers // 2
+        assert expand.relaunch.direct_launches >= layers // 2
+
+
 SMALL_BLOCKS = [
     # BGMV: several rank blocks per token (blocks past a slot's rank write zeros / are skipped)
     ({"BLOCK_R": 4, "BLOCK_K": 32}, {"BLOCK_R": 4, "BLOCK_N": 32}, False),
