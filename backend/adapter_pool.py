@@ -6,7 +6,8 @@ Copies into the pool can run off the engine thread (``begin_upload``): the engin
 takes the pages and computes the offset tables, a worker thread copies the packed weights
 in on a side CUDA stream, and the adapter counts as resident once that copy has finished
 (``ResidentAdapter.ready``). A copy from pageable host memory blocks the thread that issues it; at 84 MB
-per rank-16 Llama-3-8B adapter that was the engine thread's time before.
+per rank-16 Llama-3-8B adapter that was the engine thread's time before. The worker stages the copy through
+pinned buffers (backend/pinned_copy.py), so that the engine thread's own small copies do not queue behind it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from backend.adapter import AdapterSpec
 from backend.adapter_packing import PackedAdapter
+from backend.pinned_copy import PinnedStager
 from backend.unified_pool import AdapterKey, UnifiedPool
 
 
@@ -63,8 +65,9 @@ class AdapterPool:
         self._resident: OrderedDict[tuple[str, str], ResidentAdapter] = OrderedDict()  # (name, sha256)
         self.uploads = 0
         self.evictions = 0
-        self._copier: ThreadPoolExecutor | None = None
+        self._copier: ThreadPoolExecutor | None = None  # one thread: the stager's buffers are its own
         self._stream = None
+        self._stager: PinnedStager | None = None
 
     def get(self, spec: AdapterSpec) -> ResidentAdapter | None:
         """The version's entry if it has pages in the pool (its copy may still run: see ``ResidentAdapter.ready``)."""
@@ -127,10 +130,14 @@ class AdapterPool:
         if after is None:
             storage.index_copy_(0, page_ids.to(self.device), packed.data.to(self.device, non_blocking=True))
             return
+        if self._stager is None:
+            self._stager = PinnedStager()  # this copier thread's own: see backend/pinned_copy.py
         with torch.cuda.device(self._stream.device), torch.cuda.stream(self._stream):
             self._stream.wait_event(after)
-            data = packed.data.to(self.device, non_blocking=True)
-            storage.index_copy_(0, page_ids.to(self.device, non_blocking=True), data)
+            data = torch.empty(packed.data.shape, dtype=packed.data.dtype, device=self.device)
+            self._stager.copy(packed.data.contiguous(), data, self._stream)
+            ids = self._stager.copy(page_ids, torch.empty_like(page_ids, device=self.device), self._stream)
+            storage.index_copy_(0, ids, data)
             done.record(self._stream)
 
     def evict(self, key: tuple[str, str]) -> None:
