@@ -6,7 +6,7 @@ call on the H200 host (``perf.profile_engine --python-profile``), where the laun
 about 20. An eager step of the 8B model launches ~400 Triton kernels (256 of them LoRA), and
 eager steps are bound by the host. A ``Relauncher`` goes through that dispatch for the first call
 with a given argument signature and keeps the compiled kernel it returns; later calls with the
-same signature (the same ints, tensor dtypes and 16-byte alignments: everything Triton
+same signature (the same ints, tensor dtypes, devices and 16-byte alignments: everything Triton
 specialises on, and more) launch it directly, the way ``JITFunction.run`` does after its lookup.
 
 The direct path is taken only where it is known to match: a compiled kernel (not the
@@ -27,6 +27,7 @@ try:  # Triton >= 3.3: launch hooks live in knobs
 except ImportError:  # pragma: no cover - older Triton: always dispatch
     _knobs = None
 
+_COMPILED_MAX = 4096  # argument signatures kept per Relauncher
 ENABLED = os.environ.get("MANYLORA_TRITON_RELAUNCH", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
@@ -46,12 +47,14 @@ class Relauncher:
         if not self._direct:
             self.fn[grid](*args, **self.meta)
             return
-        key = tuple((a.dtype, a.data_ptr() % 16) if isinstance(a, torch.Tensor) else a for a in args)
+        key = tuple((a.dtype, a.get_device(), a.data_ptr() % 16) if isinstance(a, torch.Tensor) else a for a in args)
         kernel = self._compiled.get(key)
         if kernel is None:
             kernel = self.fn[grid](*args, **self.meta)
             tail = self._constexpr_tail(len(args))
             if kernel is not None and hasattr(kernel, "run") and tail is not None:
+                if len(self._compiled) >= _COMPILED_MAX:  # signatures that never repeat (a long-lived shared one)
+                    self._compiled.clear()
                 self._compiled[key], self._tail = kernel, tail
             return
         driver = triton.runtime.driver.active
