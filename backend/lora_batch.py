@@ -86,6 +86,7 @@ class LoraBatch:
         self._shrink_scratch = None
         self._moe_cache = None
         self._launches: dict[tuple, object] = {}  # prepared kernel launches, by shapes (shrink / expand)
+        # (valid for every forward of this batch: its token slots, segments and pool do not change)
         self._graph_experts = False
         self._expert_ranks_host = self.ranks[:, len(PROJECTIONS):].cpu() if self._has_expert_slots() else None
         self._expert_scalings_host = self.scalings[:, len(PROJECTIONS):].cpu() if self._has_expert_slots() else None
@@ -130,7 +131,6 @@ class LoraBatch:
         place, so a captured step must derive them inside the graph."""
         self._shrink_scratch = None
         self._moe_cache = None
-        self._launches = {}
         if not self.use_kernels:
             return
         # the 7 projections only (``apply``'s modules): MoE expert slots go through moe_lora / apply_expert
@@ -237,7 +237,7 @@ class LoraBatch:
         if side is not None:
             side.wait_stream(torch.cuda.current_stream(x.device))
         tables, ranks = self.row_offsets[layer, mods, 0], self.ranks[layer, mods]
-        # every layer launches the same shapes: checked and configured once per forward (see begin_forward)
+        # every layer launches the same shapes with this batch's slots and segments: checked and configured once
         key = ("shrink", first, n, tuple(x.shape), x.dtype, scratch is not None)
         launch = self._launches.get(key)
         if launch is None:
