@@ -61,10 +61,10 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON_SYS) -m venv $(VENV)
-	$(PIP) install --upgrade pip
-	$(PIP) install torch==2.13.0 numpy==1.26.4 transformers==5.24.0 peft==0.21.2 safetensors tokenizers triton \
+	$(PIP) install --no-cache-dir --upgrade pip
+	$(PIP) install --no-cache-dir torch==2.13.0 numpy==1.26.4 transformers==5.24.0 peft==0.21.2 safetensors tokenizers triton \
 	  "tritonclient[grpc,http]>=2.52" pytest pytest-timeout hypothesis ruff locust matplotlib tqdm
-	$(PIP) install --no-deps nvidia-pytriton==0.7.0
+	$(PIP) install --no-cache-dir --no-deps nvidia-pytriton==0.7.0
 	$(PIP) install --no-deps -e .
 	@touch $@
 
