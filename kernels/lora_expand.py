@@ -31,6 +31,47 @@ _VARYING_INTS = ["num_tokens", "stride_ys", "stride_bs", "stride_rs", "stride_ss
 _VARYING_POINTERS = ["b_row_offsets_ptr", "ranks_ptr", "scalings_ptr", "tiles_ptr"]
 
 
+@triton.jit
+def _load_b_rows(pool_ptr, row_offs, offs_n, r_mask, n_mask, ROW_ALIGN: tl.constexpr):
+    """[BLOCK_R, BLOCK_N] tile pool[row_offs[:, None] + offs_n[None, :]] (masked rows / columns: 0).
+
+    Rows that all start on 16 bytes (the paged layout) get vectorised loads: (o // A) * A == o there, and tells
+    the compiler so; other layouts take the same load without the promise."""
+    mask = r_mask[:, None] & n_mask[None, :]
+    if tl.sum((row_offs % ROW_ALIGN != 0).to(tl.int32), axis=0) == 0:
+        aligned = (row_offs // ROW_ALIGN) * ROW_ALIGN
+        b = tl.load(pool_ptr + aligned[:, None] + offs_n[None, :], mask=mask, other=0.0)
+    else:
+        b = tl.load(pool_ptr + row_offs[:, None] + offs_n[None, :], mask=mask, other=0.0)
+    return b
+
+
+@triton.jit
+def _add_scaled(ptrs, mask, scaling, acc):
+    """*ptrs += scaling * acc where mask: fp32 arithmetic, one cast to the output dtype."""
+    base = tl.load(ptrs, mask=mask, other=0.0)
+    tl.store(ptrs, (base.to(tl.float32) + scaling * acc).to(base.dtype), mask=mask)
+
+
+@triton.jit
+def _bgmv_tile(
+    y_row, stride_yr, b_offs_row, stride_br, pool_ptr, out_row, stride_on, rank, scaling, n_start, n_size, pid_n,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ROW_ALIGN: tl.constexpr,
+):  # fmt: skip
+    """One token's columns [pid_n * BLOCK_N, +BLOCK_N) of one slice: out_row[n_start + n] += scaling * y . B^T[:, n]."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_size
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < rank
+        y = tl.load(y_row + offs_r * stride_yr, mask=r_mask, other=0.0)
+        row_offs = tl.load(b_offs_row + offs_r * stride_br, mask=r_mask, other=0).to(tl.int64)
+        b = _load_b_rows(pool_ptr, row_offs, offs_n, r_mask, n_mask, ROW_ALIGN)
+        acc += tl.sum(y.to(tl.float32)[:, None] * b.to(tl.float32), axis=0)
+    _add_scaled(out_row + (n_start + offs_n).to(tl.int64) * stride_on, n_mask, scaling, acc)
+
+
 @triton.jit(do_not_specialize=_VARYING_INTS, do_not_specialize_on_alignment=_VARYING_POINTERS)
 def _lora_expand_bgmv_kernel(
     # pointers
@@ -60,6 +101,8 @@ def _lora_expand_bgmv_kernel(
     # meta-parameters
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,  # elements in 16 bytes of the pool dtype
+    COL_ALIGN: tl.constexpr,  # elements in 16 bytes of the pool or output dtype, the more
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -78,28 +121,41 @@ def _lora_expand_bgmv_kernel(
     rank = tl.load(ranks_ptr + slice_id * stride_rs + slot * stride_rslot)
     scaling = tl.load(scalings_ptr + slice_id * stride_ss + slot * stride_sslot)
 
+    y_row = y_ptr + slice_id * stride_ys + token * stride_ym
+    b_offs_row = b_row_offsets_ptr + slice_id * stride_bs + slot * stride_bslot
+    out_row = out_ptr + token * stride_om
+    # a slice that starts and ends on 16 bytes (q/k/v and gate/up do) takes the same path with that promised:
+    # (v // A) * A == v there, and lets the compiler use vector loads and stores
+    if (n_start % COL_ALIGN == 0) & (n_size % COL_ALIGN == 0):
+        _bgmv_tile(y_row, stride_yr, b_offs_row, stride_br, pool_ptr, out_row, stride_on, rank, scaling,
+                   (n_start // COL_ALIGN) * COL_ALIGN, (n_size // COL_ALIGN) * COL_ALIGN, pid_n,
+                   BLOCK_R, BLOCK_N, ROW_ALIGN)  # fmt: skip
+    else:
+        _bgmv_tile(y_row, stride_yr, b_offs_row, stride_br, pool_ptr, out_row, stride_on, rank, scaling,
+                   n_start, n_size, pid_n, BLOCK_R, BLOCK_N, ROW_ALIGN)  # fmt: skip
+
+
+@triton.jit
+def _sgmv_tile(
+    y_rows, stride_yr, m_mask, b_offs_row, stride_br, pool_ptr, out_rows, stride_on, rank, scaling, n_start, n_size,
+    pid_n, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
+):  # fmt: skip
+    """A tile of BLOCK_M rows sharing one adapter (``y_rows``/``out_rows`` [BLOCK_M] row pointers), columns
+    [pid_n * BLOCK_N, +BLOCK_N) of one slice: out[m, n_start + n] += scaling * y[m] . B^T[:, n]."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_size
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(0, rank, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         r_mask = offs_r < rank
-        y = tl.load(y_ptr + slice_id * stride_ys + token * stride_ym + offs_r * stride_yr, mask=r_mask, other=0.0)
-        row_offs = tl.load(
-            b_row_offsets_ptr + slice_id * stride_bs + slot * stride_bslot + offs_r * stride_br,
-            mask=r_mask,
-            other=0,
-        ).to(tl.int64)
-        b = tl.load(
-            pool_ptr + row_offs[:, None] + offs_n[None, :],
-            mask=r_mask[:, None] & n_mask[None, :],
-            other=0.0,
-        )
-        acc += tl.sum(y.to(tl.float32)[:, None] * b.to(tl.float32), axis=0)
-
-    out_ptrs = out_ptr + token * stride_om + (n_start + offs_n).to(tl.int64) * stride_on
-    base = tl.load(out_ptrs, mask=n_mask, other=0.0)
-    tl.store(out_ptrs, (base.to(tl.float32) + scaling * acc).to(base.dtype), mask=n_mask)
+        y = tl.load(y_rows[:, None] + offs_r[None, :] * stride_yr, mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+        row_offs = tl.load(b_offs_row + offs_r * stride_br, mask=r_mask, other=0).to(tl.int64)
+        b = _load_b_rows(pool_ptr, row_offs, offs_n, r_mask, n_mask, ROW_ALIGN)
+        # fp32 pool: exact fp32 dot; 16-bit pool: y rounded to the pool dtype, fp32 accumulation
+        acc += tl.dot(y.to(b.dtype), b, input_precision=DOT_PRECISION)
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    _add_scaled(out_rows[:, None] + (n_start + offs_n).to(tl.int64)[None, :] * stride_on, out_mask, scaling, acc)
 
 
 @triton.jit(do_not_specialize=_VARYING_INTS, do_not_specialize_on_alignment=_VARYING_POINTERS)
@@ -135,6 +191,8 @@ def _lora_expand_sgmv_kernel(
     BLOCK_N: tl.constexpr,
     NUM_N_BLOCKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
+    COL_ALIGN: tl.constexpr,
 ):
     # axis 0 (fastest): the column blocks of one tile's rows; axis 1: the tile
     slice_id = tl.program_id(0) // NUM_N_BLOCKS
@@ -157,34 +215,16 @@ def _lora_expand_sgmv_kernel(
     offs_m = row_start + tl.arange(0, BLOCK_M)
     m_mask = offs_m < seg_end
     tokens = tl.load(token_order_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < n_size
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        r_mask = offs_r < rank
-        y = tl.load(
-            y_ptr + slice_id * stride_ys + tokens[:, None] * stride_ym + offs_r[None, :] * stride_yr,
-            mask=m_mask[:, None] & r_mask[None, :],
-            other=0.0,
-        )
-        row_offs = tl.load(
-            b_row_offsets_ptr + slice_id * stride_bs + slot * stride_bslot + offs_r * stride_br,
-            mask=r_mask,
-            other=0,
-        ).to(tl.int64)
-        b = tl.load(
-            pool_ptr + row_offs[:, None] + offs_n[None, :],
-            mask=r_mask[:, None] & n_mask[None, :],
-            other=0.0,
-        )
-        # fp32 pool: exact fp32 dot; 16-bit pool: y rounded to the pool dtype, fp32 accumulation
-        acc += tl.dot(y.to(b.dtype), b, input_precision=DOT_PRECISION)
-
-    out_ptrs = out_ptr + tokens[:, None] * stride_om + (n_start + offs_n).to(tl.int64)[None, :] * stride_on
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    base = tl.load(out_ptrs, mask=out_mask, other=0.0)
-    tl.store(out_ptrs, (base.to(tl.float32) + scaling * acc).to(base.dtype), mask=out_mask)
+    y_rows = y_ptr + slice_id * stride_ys + tokens * stride_ym
+    b_offs_row = b_row_offsets_ptr + slice_id * stride_bs + slot * stride_bslot
+    out_rows = out_ptr + tokens * stride_om
+    if (n_start % COL_ALIGN == 0) & (n_size % COL_ALIGN == 0):  # as in the BGMV kernel
+        _sgmv_tile(y_rows, stride_yr, m_mask, b_offs_row, stride_br, pool_ptr, out_rows, stride_on, rank, scaling,
+                   (n_start // COL_ALIGN) * COL_ALIGN, (n_size // COL_ALIGN) * COL_ALIGN, pid_n,
+                   BLOCK_M, BLOCK_R, BLOCK_N, DOT_PRECISION, ROW_ALIGN)  # fmt: skip
+    else:
+        _sgmv_tile(y_rows, stride_yr, m_mask, b_offs_row, stride_br, pool_ptr, out_rows, stride_on, rank, scaling,
+                   n_start, n_size, pid_n, BLOCK_M, BLOCK_R, BLOCK_N, DOT_PRECISION, ROW_ALIGN)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=4096)
@@ -395,16 +435,19 @@ def prepare_expand(
     nothing = ExpandLaunch((), {}, bounds, single)
     if num_tokens == 0 or max_rank == 0 or num_slots == 0 or max_out == 0:
         return nothing
+    align = {"ROW_ALIGN": 16 // pool.element_size(),
+             "COL_ALIGN": 16 // min(pool.element_size(), base_out.element_size())}
     if segments is None:
         cfg = dict(config or expand_config(num_tokens, max_out, max_rank, segmented=False, num_slices=num_slices))
-        return ExpandLaunch((num_tokens, cdiv(max_out, cfg["BLOCK_N"]), num_slices), cfg, bounds, single,
-                            relaunch=Relauncher(_lora_expand_bgmv_kernel, cfg))
+        meta = {**cfg, **align}
+        return ExpandLaunch((num_tokens, cdiv(max_out, cfg["BLOCK_N"]), num_slices), meta, bounds, single,
+                            relaunch=Relauncher(_lora_expand_bgmv_kernel, meta))
     check_segments(segments, num_tokens, device)
     if segments.num_segments == 0:
         return nothing
     cfg = dict(config or expand_config(num_tokens, max_out, max_rank, True, segments.max_seg_len))
     num_n_blocks = cdiv(max_out, cfg["BLOCK_N"])
     tiles = segments.tiles(cfg["BLOCK_M"])
-    meta = {**cfg, "NUM_N_BLOCKS": num_n_blocks, "DOT_PRECISION": "ieee"}
+    meta = {**cfg, "NUM_N_BLOCKS": num_n_blocks, "DOT_PRECISION": "ieee", **align}
     return ExpandLaunch((num_slices * num_n_blocks, tiles.shape[0]), meta, bounds, single, segments, tiles,
                         Relauncher(_lora_expand_sgmv_kernel, meta))

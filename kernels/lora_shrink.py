@@ -137,7 +137,7 @@ def _lora_shrink_bgmv_kernel(
         mask=r_mask,
         other=0,
     ).to(tl.int64)
-    k_start = pid_k * k_split_len
+    k_start = tl.multiple_of(pid_k * k_split_len, BLOCK_K)  # k_split_len is a multiple of BLOCK_K
     k_end = tl.minimum(k_start + k_split_len, in_features)
     k_end = tl.where(pid_r * BLOCK_R < rank, k_end, k_start)  # rank block past the slot's rank: skip
     x_row = x_ptr + token * stride_xm
@@ -224,7 +224,7 @@ def _lora_shrink_sgmv_kernel(
         mask=r_mask,
         other=0,
     ).to(tl.int64)
-    k_start = pid_k * k_split_len
+    k_start = tl.multiple_of(pid_k * k_split_len, BLOCK_K)  # k_split_len is a multiple of BLOCK_K
     k_end = tl.minimum(k_start + k_split_len, in_features)
     if tl.sum((row_offs % ROW_ALIGN != 0).to(tl.int32), axis=0) == 0:  # as in the BGMV kernel
         row_offs = (row_offs // ROW_ALIGN) * ROW_ALIGN

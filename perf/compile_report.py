@@ -1,0 +1,259 @@
+"""What the H200 would run, read without one: compile kernel launches for sm_90 on any machine.
+
+    PYTHONPATH=. python -m perf.compile_report [--out PATH]
+
+Inside ``compile_only()``, a Triton kernel launch made through the project's own launchers
+(``lora_shrink``, ``lora_expand``, ``paged_decode_attention``, ...) is specialised by Triton exactly
+as it would be on the GPU (the same arguments, ints and pointer alignments), compiled for the
+target (default: CUDA sm_90, the H200) with Triton's bundled ptxas, recorded, and not run. The
+tensors may live on the CPU; no driver or GPU is touched. The report per compiled kernel gives its
+registers, local-memory (spill) bytes and shared memory from ``cuobjdump --dump-resource-usage``,
+and the widths of its global loads and stores in the SASS (``LDG.E.128`` is a 16-byte vector load,
+``LDG.E.U16`` a scalar 2-byte one): a bf16 stream read two bytes at a time costs instructions and
+memory-level parallelism that a bandwidth-bound kernel cannot spare.
+
+``main`` compiles the decode (BGMV) and prefill (SGMV) LoRA launches of the Llama-3-8B projections,
+paged decode attention and the fused norm / activation kernels at the benchmark's shapes and prints
+a table; tests use ``compile_only`` to assert properties of the compiled code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import re
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+H200 = GPUTarget("cuda", 90, 32)
+_SASS_GLOBAL = re.compile(r"\b(LDGSTS|LDG|STG|RED|ATOMG)((?:\.[A-Z0-9_]+)*)\b")
+_WIDTH_SUFFIX = {"U8": 8, "S8": 8, "U16": 16, "S16": 16, "64": 64, "128": 128}
+
+
+@dataclass(frozen=True)
+class CompiledKernel:
+    """One kernel variant as compiled for the target: resources and the global memory instructions."""
+
+    name: str
+    constexprs: dict[str, object]
+    num_warps: int
+    num_stages: int
+    registers: int
+    local_bytes: int  # per thread: spills and local arrays
+    shared_bytes: int
+    loads: dict[int, int] = field(default_factory=dict)  # access width in bits -> LDG instructions
+    async_loads: dict[int, int] = field(default_factory=dict)  # width in bits -> LDGSTS (global -> shared copies)
+    stores: dict[int, int] = field(default_factory=dict)  # width in bits -> STG instructions
+    atomics: int = 0  # RED / ATOMG instructions
+
+    def summary(self) -> str:
+        def widths(counts: dict[int, int]) -> str:
+            return " ".join(f"{bits // 8}B:{n}" for bits, n in sorted(counts.items())) or "-"
+
+        return (
+            f"{self.name:34s} warps={self.num_warps} regs={self.registers:3d} local={self.local_bytes:4d} "
+            f"smem={self.shared_bytes:6d} | LDG {widths(self.loads)} | LDGSTS {widths(self.async_loads)} "
+            f"| STG {widths(self.stores)}" + (f" | atomics {self.atomics}" if self.atomics else "")
+        )
+
+
+def _tool(name: str) -> str:
+    """A CUDA binary tool shipped inside the Triton wheel (cuobjdump, nvdisasm)."""
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def _memory_instructions(sass: str) -> tuple[dict[int, int], dict[int, int], dict[int, int], int]:
+    """Global loads, global->shared copies and stores by access width in bits, and the atomics, of SASS text."""
+    by_op: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for op, suffixes in _SASS_GLOBAL.findall(sass):
+        bits = 32
+        for suffix in suffixes.split("."):
+            bits = _WIDTH_SUFFIX.get(suffix, bits)
+        by_op[op][bits] += 1
+    atomics = sum(by_op["RED"].values()) + sum(by_op["ATOMG"].values())
+    return dict(by_op["LDG"]), dict(by_op["LDGSTS"]), dict(by_op["STG"]), atomics
+
+
+def _resources(cubin: bytes) -> tuple[str, dict[str, int]]:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name], check=True,
+                               capture_output=True, text=True).stdout  # fmt: skip
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], check=True, capture_output=True, text=True).stdout
+    found = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", usage))
+    return sass, {k: int(v) for k, v in found.items()}
+
+
+def analyse(name: str, compiled, constexprs: dict[str, object]) -> CompiledKernel:
+    """The report of a ``triton.compile`` result."""
+    sass, res = _resources(compiled.asm["cubin"])
+    loads, async_loads, stores, atomics = _memory_instructions(sass)
+    return CompiledKernel(
+        name=name,
+        constexprs=constexprs,
+        num_warps=compiled.metadata.num_warps,
+        num_stages=compiled.metadata.num_stages,
+        registers=res.get("REG", 0),
+        local_bytes=res.get("LOCAL", 0) + res.get("STACK", 0),
+        shared_bytes=max(res.get("SHARED", 0), int(compiled.metadata.shared)),
+        loads=loads,
+        async_loads=async_loads,
+        stores=stores,
+        atomics=atomics,
+    )
+
+
+class _CompileOnlyDriver:
+    """Stands in for Triton's active driver: names the target, a device 0 and a null stream; nothing else is used
+    before the launch hook below stops the launch."""
+
+    def __init__(self, target: GPUTarget) -> None:
+        self.target = target
+
+    def get_current_target(self) -> GPUTarget:
+        return self.target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int) -> int:
+        return 0
+
+
+@contextlib.contextmanager
+def compile_only(target: GPUTarget = H200) -> Iterator[list[CompiledKernel]]:
+    """Launches inside compile their kernel for ``target`` and return without running; yields the reports, one per
+    compiled variant, in launch order (a launch whose variant was compiled before adds none).
+
+    Needs compiled Triton (TRITON_INTERPRET unset when the kernels' modules were imported).
+    """
+    from triton import knobs
+    from triton.runtime import driver
+
+    reports: list[CompiledKernel] = []
+    seen: set[tuple] = set()
+
+    def compile_and_skip(*, key, fn, compile, **_) -> bool:
+        jit_fn = fn.jit_function
+        options = {k: compile[k] for k in ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion")}
+        ident = (jit_fn.__name__, repr(key))
+        if ident not in seen:
+            seen.add(ident)
+            src = triton.compiler.ASTSource(jit_fn, compile["signature"], compile["constants"], compile["configs"][0])
+            constexprs = {path[0] if len(path) == 1 else path: v for path, v in compile["constants"].items()}
+            named = {jit_fn.arg_names[p]: v for p, v in constexprs.items() if isinstance(p, int)}
+            reports.append(analyse(jit_fn.__name__, triton.compile(src, target=target, options=options), named))
+        return True  # the launch stops here: nothing is run
+
+    saved_hook = knobs.runtime.jit_cache_hook
+    driver.set_active(_CompileOnlyDriver(target))
+    knobs.runtime.jit_cache_hook = compile_and_skip
+    try:
+        yield reports
+    finally:
+        knobs.runtime.jit_cache_hook = saved_hook
+        driver.reset_active() if driver._default is not None else setattr(driver, "_active", None)
+
+
+# --- the benchmark's launches -------------------------------------------------------------------------------------
+
+MODULES = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
+           "down": (14336, (4096,))}  # fmt: skip
+
+
+def lora_launches(num_tokens: int, distinct: int, rank: int, segmented: bool) -> None:
+    """``lora_shrink`` + ``lora_expand`` over every Llama-3-8B projection group (bf16 pool, rows on 16 bytes)."""
+    import torch
+
+    from kernels.lora_expand import lora_expand
+    from kernels.lora_meta import build_segments
+    from kernels.lora_shrink import lora_shrink
+
+    gen = torch.Generator().manual_seed(0)
+    slots = (torch.arange(num_tokens) % distinct)[torch.randperm(num_tokens, generator=gen)].to(torch.int32)
+    segments = build_segments(slots, device="cpu") if segmented else None
+    for in_f, widths in MODULES.values():
+        ns = len(widths)
+        a_rows = torch.arange(distinct * rank, dtype=torch.int64).view(distinct, rank) * in_f
+        b_rows = torch.arange(distinct * rank, dtype=torch.int64).view(distinct, rank) * max(widths)
+        a_offs = torch.stack([a_rows + i * distinct * rank * in_f for i in range(ns)])
+        b_offs = torch.stack([b_rows + i * distinct * rank * max(widths) for i in range(ns)])
+        pool = torch.empty(ns * distinct * rank * max(in_f, max(widths)), dtype=torch.bfloat16)
+        ranks = torch.full((ns, distinct), rank, dtype=torch.int32)
+        scalings = torch.full((ns, distinct), 0.5)
+        x = torch.empty(num_tokens, in_f, dtype=torch.bfloat16)
+        y = torch.zeros(ns, num_tokens, rank)
+        base = torch.empty(num_tokens, sum(widths), dtype=torch.bfloat16)
+        bounds = [0]
+        for w in widths:
+            bounds.append(bounds[-1] + w)
+        lora_shrink(x, pool, a_offs, ranks, slots, y, segments=segments)
+        lora_expand(y, pool, b_offs, ranks, scalings, slots, base, bounds, segments=segments)
+
+
+def other_launches(batch: int = 64, seq: int = 1024) -> None:
+    """Paged decode attention (32 q / 8 kv heads, d 128, page 16), add+RMSNorm and silu*mul at the 8B shapes."""
+    import torch
+
+    from kernels.add_rms_norm import add_rms_norm
+    from kernels.paged_attention import paged_decode_attention
+    from kernels.silu_mul import silu_mul
+
+    num_layers, page, nkv, d = 32, 16, 8, 128
+    pages_per = seq // page
+    pool = torch.empty(batch * pages_per * num_layers * 2 * page * nkv * d, dtype=torch.bfloat16)
+    tables = torch.arange(batch * pages_per, dtype=torch.int32).view(batch, pages_per)
+    lens = torch.full((batch,), seq, dtype=torch.int32)
+    q = torch.empty(batch, 4 * nkv, d, dtype=torch.bfloat16)
+    paged_decode_attention(q, pool, tables, lens, d**-0.5, torch.empty_like(q), layer=5, num_layers=num_layers,
+                           page_size=page, num_kv_heads=nkv)  # fmt: skip
+    hidden = torch.empty(batch, 4096, dtype=torch.bfloat16)
+    add_rms_norm(hidden, torch.empty_like(hidden), torch.empty(4096, dtype=torch.bfloat16), 1e-5)
+    silu_mul(torch.empty(batch, 2 * 14336, dtype=torch.bfloat16))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None, help="JSON lines of the reports")
+    parser.add_argument("--tokens", type=int, default=64, help="decode batch (BGMV launches)")
+    parser.add_argument("--prefill-tokens", type=int, default=1024, help="prefill tokens (SGMV launches)")
+    parser.add_argument("--distinct", type=int, default=16)
+    parser.add_argument("--rank", type=int, default=16)
+    args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        parser.error("unset TRITON_INTERPRET: the report compiles the kernels")
+    rows: list[tuple[str, CompiledKernel]] = []
+    for label, launch in (
+        (f"decode T={args.tokens} d={args.distinct} r={args.rank}",
+         lambda: lora_launches(args.tokens, args.distinct, args.rank, segmented=False)),
+        (f"prefill T={args.prefill_tokens} d={args.distinct} r={args.rank}",
+         lambda: lora_launches(args.prefill_tokens, args.distinct, args.rank, segmented=True)),
+        ("decode attention / norm / silu*mul", other_launches),
+    ):  # fmt: skip
+        with compile_only() as reports:
+            launch()
+        rows += [(label, r) for r in reports]
+    if args.out:
+        with open(args.out, "w") as f:
+            for label, r in rows:
+                f.write(json.dumps({"launches": label, **asdict(r)}, default=str) + "\n")
+    print(f"Compiled for {H200.backend} sm_{H200.arch} (Triton {triton.__version__}); global access widths in bytes")
+    last = None
+    for label, r in rows:
+        if label != last:
+            print(f"\n{label}")
+            last = label
+        print("  " + r.summary())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""What the kernels compile to for the H200 (sm_90), checked without a GPU (perf/compile_report.py).
+
+The LoRA and attention kernels are bound by memory bandwidth: a bf16 stream read two bytes per instruction (what
+Triton emits when it cannot prove 16-byte alignment or a mask constant over a vector) costs them a large share of
+the bandwidth. These tests compile the launchers' real launches at the Llama-3-8B shapes for sm_90 with Triton's
+bundled ptxas, in a child process with TRITON_INTERPRET=0, and read the SASS: every kernel must read global memory
+16 bytes at a time somewhere (the aligned pool path) and spill nothing to local memory.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from perf.compile_report import _memory_instructions
+
+ROOT = Path(__file__).resolve().parents[1]
+
+COMPILE = r"""
+import json, sys
+from dataclasses import asdict
+import perf.compile_report as cr
+
+with cr.compile_only() as reports:
+    cr.lora_launches(64, 16, 16, segmented=False)
+    cr.lora_launches(1024, 16, 16, segmented=True)
+    cr.lora_launches(33, 5, 8, segmented=False)   # odd batch, rank 8
+    cr.other_launches(batch=8, seq=256)
+json.dump([asdict(r) for r in reports], sys.stdout)
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled() -> list[dict]:
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT), "TRITON_DEFAULT_FP_FUSION": "1"}
+    done = subprocess.run([sys.executable, "-c", COMPILE], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def _widest_read(report: dict) -> int:
+    widths = [int(b) for b in report["loads"]] + [int(b) for b in report["async_loads"]]
+    return max(widths, default=0)
+
+
+def test_every_kernel_that_streams_memory_was_compiled(compiled):
+    names = {r["name"] for r in compiled}
+    assert names >= {
+        "_lora_shrink_bgmv_kernel", "_lora_shrink_sgmv_kernel", "_lora_expand_bgmv_kernel",
+        "_lora_expand_sgmv_kernel", "_paged_decode_attention_kernel", "_add_rms_norm_kernel", "_silu_mul_kernel",
+    }  # fmt: skip
+
+
+def test_kernels_read_global_memory_16_bytes_at_a_time(compiled):
+    for report in compiled:
+        assert _widest_read(report) == 128, (report["name"], report["constexprs"], report["loads"])
+
+
+def test_no_kernel_spills_to_local_memory(compiled):
+    for report in compiled:
+        assert report["local_bytes"] == 0, (report["name"], report["constexprs"], report["local_bytes"])
+
+
+def test_sass_memory_instructions_are_counted_by_width():
+    sass = """
+        /*0090*/ LDG.E.128.CONSTANT R4, desc[UR4][R2.64] ;
+        /*00a0*/ LDG.E.U16 R9, desc[UR4][R6.64] ;
+        /*00b0*/ LDG.E R10, desc[UR4][R6.64] ;
+        /*00c0*/ LDGSTS.E.BYPASS.LTC128B.128 [R3], desc[UR4][R4.64] ;
+        /*00d0*/ STG.E.64 desc[UR4][R2.64], R8 ;
+        /*00e0*/ RED.E.ADD.F32.FTZ.RN.STRONG.GPU desc[UR4][R2.64], R5 ;
+        /*00f0*/ LDS.128 R12, [R3] ;
+    """
+    loads, async_loads, stores, atomics = _memory_instructions(sass)
+    assert loads == {128: 1, 16: 1, 32: 1}
+    assert async_loads == {128: 1}
+    assert stores == {64: 1}
+    assert atomics == 1
