@@ -34,6 +34,10 @@ class EngineConfig:
             gathered cache) or "paged" (prefill tokens join the decode rows in the paged-attention
             kernel: one launch per layer for the whole step, no gathers; keys are re-read per query
             token, so long prompts cost more). Kernel path only.
+        decode_lora_kernels: the LoRA kernels of steps under 64 tokens (the decode steps): "bgmv" (one
+            program per token, each reading its adapter's rows) or "sgmv" (tokens grouped by adapter, 16-token
+            tiles reading each adapter's rows once; a CUDA-graph step builds the groups on the device, in tables
+            of fixed shapes). Kernel path only.
         cuda_graphs: replay decode steps from CUDA graphs (CUDA with Triton kernels only).
         warmup: compile the kernels for a spread of step sizes at startup (CUDA only).
         allow_runtime_adapters: accept load/unload/replace of adapters while serving; off
@@ -86,6 +90,7 @@ class EngineConfig:
     max_queue_size: int = 0
     kernels: str = "auto"
     prefill_attention: str = "sdpa"
+    decode_lora_kernels: str = "bgmv"
     fuse_add_norm: bool = True
     fuse_silu_mul: bool = True
     cuda_graphs: bool = True
@@ -113,6 +118,9 @@ class EngineConfig:
         if self.prefill_attention not in ("sdpa", "paged"):
             raise ValueError(
                 f"EngineConfig.prefill_attention must be 'sdpa' or 'paged', got {self.prefill_attention!r}")
+        if self.decode_lora_kernels not in ("bgmv", "sgmv"):
+            raise ValueError(
+                f"EngineConfig.decode_lora_kernels must be 'bgmv' or 'sgmv', got {self.decode_lora_kernels!r}")
         if not 0.0 <= self.host_cache_fraction <= 1.0:
             raise ValueError(f"EngineConfig.host_cache_fraction must be in [0, 1], got {self.host_cache_fraction}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:

@@ -133,7 +133,8 @@ class Engine:
         self.scheduler = Scheduler(self.kv, self.adapters, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_loras, config.admit_every_steps, config.async_adapter_uploads)
         self.steps = StepBuilder(cfg, self.kv, self.adapters, self.device, self.use_kernels,
-                                 paged_prefill=config.prefill_attention == "paged")
+                                 paged_prefill=config.prefill_attention == "paged",
+                                 segmented_decode=config.decode_lora_kernels == "sgmv")
         # MoE: decode graphs (the fused expert kernels have static shapes), eager warm-up not written yet; tensor
         # parallelism: neither yet (every rank would have to capture and warm up in step)
         dense = not cfg.is_moe and self.tp is None
@@ -198,7 +199,8 @@ class Engine:
         scratch = self.pool.pages.allocate(ReservedPage("cuda-graph padding"), 1)[0]
         max_blocks = self.kv.pages_needed(self.max_len)
         self.graphs = DecodeGraphs(self.model, self.kv, scratch, self.config.max_num_seqs, max_blocks,
-                                   self.config.max_loras, self.config.max_lora_rank)
+                                   self.config.max_loras, self.config.max_lora_rank,
+                                   segmented_lora=self.config.decode_lora_kernels == "sgmv")
         try:
             self.graphs.capture_all()
         except Exception:

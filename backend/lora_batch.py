@@ -72,7 +72,9 @@ class LoraBatch:
     """Which adapter slot serves each token of a step (-1: none), and the slots' tables."""
 
     def __init__(self, token_slots: list[int], adapters: list[ResidentAdapter], pool: torch.Tensor, device: str,
-                 use_kernels: bool = False) -> None:
+                 use_kernels: bool = False, segmented: bool = False) -> None:
+        """segmented: the kernel path groups tokens by adapter (SGMV) at any step size; otherwise steps of fewer
+        than SEGMENTED_MIN_TOKENS tokens take one program per token (BGMV)."""
         self.adapters = adapters
         self.pool = pool
         self.use_kernels = use_kernels
@@ -87,11 +89,12 @@ class LoraBatch:
         self._moe_cache = None
         self._launches: dict[tuple, object] = {}  # prepared kernel launches, by shapes (shrink / expand)
         # (valid for every forward of this batch: its token slots, segments and pool do not change)
+        self._device_segments = False
         self._graph_experts = False
         self._expert_ranks_host = self.ranks[:, len(PROJECTIONS):].cpu() if self._has_expert_slots() else None
         self._expert_scalings_host = self.scalings[:, len(PROJECTIONS):].cpu() if self._has_expert_slots() else None
         if use_kernels:
-            if len(token_slots) >= SEGMENTED_MIN_TOKENS:
+            if segmented or len(token_slots) >= SEGMENTED_MIN_TOKENS:
                 from kernels.lora_meta import build_segments
 
                 self.segments = build_segments(torch.tensor(token_slots, dtype=torch.int32), device=device)
@@ -103,11 +106,14 @@ class LoraBatch:
 
     @classmethod
     def from_tables(cls, token_slots: torch.Tensor, row_offsets: torch.Tensor, ranks: torch.Tensor,
-                    scalings: torch.Tensor, pool: torch.Tensor, graph_experts: bool = False) -> LoraBatch:
+                    scalings: torch.Tensor, pool: torch.Tensor, graph_experts: bool = False,
+                    segmented: bool = False) -> LoraBatch:
         """A kernel-path batch over preallocated tables (CUDA-graph replay fills them in place). graph_experts: the
         tables hold MoE expert slots too, and every layer's experts take the fused MoE-LoRA kernel whatever the
         tables hold at replay (``has_expert_lora`` is True, ``moe_lora`` checks nothing on the host): the caller
-        admits only adapters ``moe_lora_expressible`` accepts."""
+        admits only adapters ``moe_lora_expressible`` accepts. segmented: the LoRA kernels group tokens by slot, in
+        tables that each forward builds on the device from token_slots (``build_segments_on_device``), so that a
+        replay regroups whatever slots the tables hold."""
         batch = cls.__new__(cls)
         batch.adapters = []
         batch.pool = pool
@@ -119,6 +125,7 @@ class LoraBatch:
         batch._shrink_scratch = None
         batch._moe_cache = None
         batch._launches = {}
+        batch._device_segments = segmented
         batch._graph_experts = graph_experts
         batch._expert_ranks_host = batch._expert_scalings_host = None
         return batch
@@ -133,6 +140,11 @@ class LoraBatch:
         self._moe_cache = None
         if not self.use_kernels:
             return
+        if self._device_segments:  # new tables from this forward's token slots; launches prepared on the old ones go
+            from kernels.lora_meta import build_segments_on_device
+
+            self.segments = build_segments_on_device(self.token_slots, self.row_offsets.shape[3])
+            self._launches.clear()
         # the 7 projections only (``apply``'s modules): MoE expert slots go through moe_lora / apply_expert
         shape = (self.row_offsets.shape[0], len(PROJECTIONS), num_tokens, self.max_rank)
         if shape[0] * shape[1] * num_tokens * self.max_rank * 4 <= SHRINK_SCRATCH_MAX_BYTES:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["SegmentMeta", "build_segments"]
+__all__ = ["SegmentMeta", "build_segments", "build_segments_on_device"]
 
 
 # the BLOCK_M values the launchers' heuristics choose (sgmv_block_m): 32-row tiles measured best on the H200
@@ -36,6 +36,9 @@ class SegmentMeta:
         max_seg_len: length of the longest segment (0 when there is none); sizes the launch grid.
         num_tokens: T, the number of tokens of the batch (rows of ``x``).
         seg_lens: the segments' lengths, on the host.
+        slot_counts: only in tables built on the device (``build_segments_on_device``): int64 [num_segments], the
+            tokens of each segment, on the device; the tile tables are then built there too, with a fixed number
+            of rows (``num_tiles``), and max_seg_len is a hint for the block sizes, not a bound.
     """
 
     token_order: torch.Tensor
@@ -45,6 +48,7 @@ class SegmentMeta:
     max_seg_len: int
     num_tokens: int
     seg_lens: tuple[int, ...] = ()
+    slot_counts: torch.Tensor | None = None
     _tiles: dict = field(default_factory=dict, compare=False, repr=False)
 
     def tiles(self, block_m: int) -> torch.Tensor:
@@ -53,11 +57,38 @@ class SegmentMeta:
         block), none for the rows a short segment lacks. Built once per block_m (host arithmetic,
         one copy to the device)."""
         if block_m not in self._tiles:
-            self._tiles.update(_tile_tables(self.seg_lens, (block_m,), self.token_order.device))
+            if self.slot_counts is not None:
+                self._tiles[block_m] = _device_tile_table(self.slot_counts, self.seg_starts, self.num_tokens, block_m)
+            else:
+                self._tiles.update(_tile_tables(self.seg_lens, (block_m,), self.token_order.device))
         return self._tiles[block_m]
 
     def num_tiles(self, block_m: int) -> int:
+        if self.slot_counts is not None:
+            return _max_tiles(self.num_tokens, self.num_segments - 1, block_m)
         return sum(cdiv(n, block_m) for n in self.seg_lens)
+
+
+def _max_tiles(num_tokens: int, num_slots: int, block_m: int) -> int:
+    """An upper bound on the BLOCK_M-row tiles of any grouping of num_tokens tokens into num_slots slots: every
+    non-empty segment adds at most one partial tile to the cdiv(num_tokens, block_m) full ones."""
+    return cdiv(num_tokens, block_m) + min(num_slots, num_tokens)
+
+
+def _device_tile_table(slot_counts: torch.Tensor, seg_starts: torch.Tensor, num_tokens: int,
+                       block_m: int) -> torch.Tensor:
+    """int32 [_max_tiles, 2]: ``SegmentMeta.tiles`` of device-built segments, with torch ops of fixed shapes only
+    (no host read, so a CUDA graph captures them). The last segment holds the base-only tokens and gets no tile;
+    rows past the real tiles point at it, and its slot -1 makes their programs return at once."""
+    num_slots = slot_counts.numel() - 1
+    per_segment = (slot_counts + block_m - 1) // block_m
+    per_segment[num_slots] = 0  # the base-only tokens' segment
+    tile_ends = torch.cumsum(per_segment, dim=0)  # [S + 1], the last = the real tiles
+    index = torch.arange(_max_tiles(num_tokens, num_slots, block_m), device=slot_counts.device)
+    seg = torch.searchsorted(tile_ends, index, right=True).clamp_(max=num_slots)  # past the real tiles: S
+    first_tile = (tile_ends - per_segment).index_select(0, seg)
+    row = seg_starts.index_select(0, seg).to(torch.int64) + (index - first_tile) * block_m
+    return torch.stack([seg, torch.where(seg < num_slots, row, 0)], dim=1).to(torch.int32).contiguous()
 
 
 def _tile_tables(seg_lens: tuple[int, ...], block_ms: tuple[int, ...], device: torch.device) -> dict:
@@ -121,6 +152,46 @@ def build_segments(token_slots: torch.Tensor, device: torch.device | str | None 
         num_tokens=num_tokens,
         seg_lens=seg_lens,
         _tiles=_tile_tables(seg_lens, (sgmv_block_m(max(seg_lens, default=0)),), device),
+    )
+
+
+def build_segments_on_device(token_slots: torch.Tensor, num_slots: int, max_seg_len: int = 16) -> SegmentMeta:
+    """``build_segments`` with tables of fixed shapes, built by torch ops on token_slots' device with no read back
+    to the host: what a CUDA graph can capture, so that its replays regroup whatever slots the step holds.
+
+    Segment s < num_slots holds slot s's tokens (possibly none); segment num_slots holds the base-only tokens
+    (slot -1) and gets no tile. Semantics::
+
+        key = where(token_slots >= 0, token_slots, num_slots)
+        token_order = stable_argsort(key)                           # int32 [T]: every token
+        seg_starts = cat([0], cumsum(bincount(key, num_slots + 1)))  # int32 [num_slots + 2]
+        seg_slots = [0, 1, ..., num_slots - 1, -1]                   # int32 [num_slots + 1]
+
+    Args:
+        token_slots: int32 [T] on the device, each in [-1, num_slots).
+        num_slots: S, the slots the step's tables hold.
+        max_seg_len: a hint for the launchers' block sizes (``sgmv_block_m``): the tiles are as many as the
+            longest possible grouping needs (``SegmentMeta.num_tiles``), the grid with them.
+    """
+    if token_slots.dim() != 1 or token_slots.dtype != torch.int32:
+        raise ValueError(f"token_slots must be int32 [T], got {token_slots.dtype} {tuple(token_slots.shape)}")
+    device = token_slots.device
+    key = torch.where(token_slots >= 0, token_slots, num_slots).to(torch.int64)
+    order = torch.sort(key, stable=True).indices
+    counts = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    seg_starts = torch.zeros(num_slots + 2, dtype=torch.int64, device=device)
+    torch.cumsum(counts, dim=0, out=seg_starts[1:])
+    seg_slots = torch.arange(num_slots + 1, dtype=torch.int32, device=device)
+    seg_slots[num_slots] = -1
+    return SegmentMeta(
+        token_order=order.to(torch.int32),
+        seg_starts=seg_starts.to(torch.int32),
+        seg_slots=seg_slots,
+        num_segments=num_slots + 1,
+        max_seg_len=max_seg_len,
+        num_tokens=token_slots.numel(),
+        slot_counts=counts,
     )
 
 

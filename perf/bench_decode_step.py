@@ -148,6 +148,9 @@ def main() -> None:
                     help="residual add + RMSNorm as the engine's kernel path runs it (fused), or as torch ops")
     ap.add_argument("--silu-mul", choices=["fused", "torch"], default="fused",
                     help="the MLP's silu(gate) * up as the engine's kernel path runs it (fused), or as torch ops")
+    ap.add_argument("--decode-lora-kernels", choices=["bgmv", "sgmv"], default="bgmv",
+                    help="the LoRA kernels of the captured step (EngineConfig.decode_lora_kernels): one program per "
+                         "token, or tokens grouped by adapter on the device")
     ap.add_argument("--profile", action="store_true",
                     help="also print the step's kernels by GPU time (torch.profiler over 5 replays per adapter count)")
     ap.add_argument("--out", default=os.environ.get("OUT", "perf/results"))
@@ -175,7 +178,9 @@ def main() -> None:
     resident = [adapters.upload(random_adapter(f"a{i}", cfg, args.rank, pool, args.rank)) for i in range(max(counts))]
     tables = [pool.pages.allocate(("seq", b), blocks) for b in range(args.batch)]
     scratch = pool.pages.allocate("scratch", 1)[0]
-    graphs = DecodeGraphs(model, kv, scratch, args.batch, blocks, max(max(counts), 1), args.rank)
+    graphs = DecodeGraphs(model, kv, scratch, args.batch, blocks, max(max(counts), 1), args.rank,
+                          segmented_lora=args.decode_lora_kernels == "sgmv")
+    print(f"LoRA kernels of the decode step: {args.decode_lora_kernels}")
     graphs.buckets = [args.batch]
     t0 = time.perf_counter()
     graphs._reset_padding(args.batch)

@@ -3,8 +3,10 @@
     PYTHONPATH=. python perf/bench_kernels.py [--out PATH] [--quick] [--sweep]
 
 Llama-3-8B projections (bf16) for batches of 1..256 tokens over 1..64 distinct adapters at
-ranks 8/16/64, in both launch forms: BGMV ("decode": no segments, what the CUDA-graph decode
-step launches) and SGMV ("prefill": tokens grouped by slot). Each kernel is timed with
+ranks 8/16/64, in three launch forms: BGMV ("decode": no segments, what the CUDA-graph decode
+step launches by default), SGMV ("prefill": tokens grouped by slot on the host) and SGMV over
+fixed-shape tables built on the device (what a CUDA-graph decode step launches with
+``decode_lora_kernels="sgmv"``). Each kernel is timed with
 ``triton.testing.do_bench_cudagraph`` (median) and reported against the bytes it must move:
 
 * shrink: the distinct adapters' A rows + x + the fp32 output (read and written);
@@ -36,7 +38,7 @@ import triton
 import triton.testing
 
 from kernels.lora_expand import expand_config, lora_expand
-from kernels.lora_meta import build_segments
+from kernels.lora_meta import build_segments, build_segments_on_device, sgmv_block_m
 from kernels.lora_shrink import lora_shrink, shrink_config
 from kernels.paged_attention import paged_decode_attention
 
@@ -113,6 +115,10 @@ class Batch:
         self.slots = slots.cuda()
         self.index = chosen[slots.cuda().long()]  # adapter of each token, for the bmm baseline
         self.segments = build_segments(slots, device="cuda")
+        # what a CUDA-graph decode step with decode_lora_kernels="sgmv" launches: fixed-shape tables built on the
+        # device (once per step, shared by every layer: built here, outside the timed calls)
+        self.device_segments = build_segments_on_device(self.slots, distinct)
+        self.device_segments.tiles(sgmv_block_m(self.device_segments.max_seg_len))
 
 
 def bench_lora(name, in_f, widths, rank, num_tokens, distinct, uni, copy_bw, forms, gen):
@@ -146,18 +152,20 @@ def bench_lora(name, in_f, widths, rank, num_tokens, distinct, uni, copy_bw, for
         "shrink": bench(cycling([partial(bmm_shrink, b) for b in batches])),
         "expand": bench(cycling([partial(bmm_expand, b) for b in batches])),
     }
+    def segments_of(b: Batch, form: str):
+        return {"bgmv": None, "sgmv": b.segments, "sgmv-device": b.device_segments}[form]
+
     for form in forms:
         if form == "sgmv" and num_tokens == 1:
             continue
-        sgmv = form == "sgmv"
         calls = {
             "shrink": [
-                partial(lora_shrink, x, uni.pool, b.a_offs, ranks, b.slots, y, segments=b.segments if sgmv else None)
+                partial(lora_shrink, x, uni.pool, b.a_offs, ranks, b.slots, y, segments=segments_of(b, form))
                 for b in batches
             ],
             "expand": [
                 partial(lora_expand, y, uni.pool, b.b_offs, ranks, scal, b.slots, base, bounds,
-                        segments=b.segments if sgmv else None)
+                        segments=segments_of(b, form))
                 for b in batches
             ],
         }  # fmt: skip
@@ -165,13 +173,12 @@ def bench_lora(name, in_f, widths, rank, num_tokens, distinct, uni, copy_bw, for
             us = bench(cycling(calls[op]))
             nbytes = bytes_shrink if op == "shrink" else bytes_expand
             floor_us = nbytes / copy_bw * 1e6
+            seg = segments_of(batches[0], form)
             if op == "shrink":
-                seg = batches[0].segments if form == "sgmv" else None
-                cfg = shrink_config(num_tokens, in_f, rank, form == "sgmv", seg.max_seg_len if seg else 0, ns,
+                cfg = shrink_config(num_tokens, in_f, rank, seg is not None, seg.max_seg_len if seg else 0, ns,
                                     seg.num_segments if seg else 0)  # fmt: skip
             else:
-                seg = batches[0].segments if form == "sgmv" else None
-                cfg = expand_config(num_tokens, max(widths), rank, form == "sgmv", seg.max_seg_len if seg else 0, ns)
+                cfg = expand_config(num_tokens, max(widths), rank, seg is not None, seg.max_seg_len if seg else 0, ns)
             rec = {
                 "kind": "lora", "module": name, "op": op, "form": form, "tokens": num_tokens,
                 "distinct": distinct, "rank": rank, "in": in_f, "widths": list(widths), "us": us,
@@ -240,9 +247,11 @@ def bench_attention():
         del pool
 
 
-def print_table():
-    rows = [r for r in RESULTS if r["kind"] == "lora" and r["form"] == "bgmv"]
-    print("\nDecode (BGMV) summary: us / multiple of the bytes floor / speed-up over bmm")
+def print_table(form: str = "bgmv"):
+    rows = [r for r in RESULTS if r["kind"] == "lora" and r["form"] == form]
+    if not rows:
+        return
+    print(f"\n{form} summary: us / multiple of the bytes floor / speed-up over bmm")
     print(f"{'module':8s} {'T':>4s} {'d':>3s} {'r':>3s} | {'shrink us':>9s} {'xflr':>5s} {'vs bmm':>6s} |"
           f" {'expand us':>9s} {'xflr':>5s} {'vs bmm':>6s}")  # fmt: skip
     by_key = {(r["module"], r["tokens"], r["distinct"], r["rank"], r["op"]): r for r in rows}
@@ -261,7 +270,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default_out = os.path.join(os.environ["OUT"], "bench_kernels.jsonl") if os.environ.get("OUT") else None
     parser.add_argument("--out", default=default_out, help="JSON lines output (default $OUT/bench_kernels.jsonl)")
-    parser.add_argument("--quick", action="store_true", help="rank 16 only, BGMV only")
+    parser.add_argument("--quick", action="store_true", help="rank 16 only, BGMV only (unless --forms)")
+    parser.add_argument("--forms", default=None,
+                        help="comma-separated launch forms: bgmv (one program per token), sgmv (host-built segments), "
+                             "sgmv-device (fixed-shape segments built on the device, as a CUDA-graph decode step "
+                             "with decode_lora_kernels=sgmv launches); default bgmv,sgmv,sgmv-device")
     parser.add_argument("--sweep", action="store_true", help="also sweep shrink configs on qkv")
     parser.add_argument("--modules", default=",".join(MODULES), help="comma-separated subset of " + ",".join(MODULES))
     parser.add_argument("--rep-ms", type=int, default=REP_MS, help="do_bench_cudagraph rep (ms)")
@@ -276,7 +289,7 @@ def main():
     if args.sweep:
         sweep(copy_bw, gen)
     ranks = (16,) if args.quick else RANKS
-    forms = ("bgmv",) if args.quick else ("bgmv", "sgmv")
+    forms = tuple(args.forms.split(",")) if args.forms else ("bgmv",) if args.quick else ("bgmv", "sgmv", "sgmv-device")
     for name in args.modules.split(","):
         in_f, widths = MODULES[name]
         for rank in ranks:
@@ -294,7 +307,8 @@ def main():
         with open(args.out, "w") as f:
             for rec in RESULTS:
                 f.write(json.dumps(rec) + "\n")
-    print_table()
+    for form in forms:
+        print_table(form)
     print(f"\n{time.time() - start:.0f} s; results: {args.out}")
 
 

@@ -170,17 +170,21 @@ MODULES = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (
            "down": (14336, (4096,))}  # fmt: skip
 
 
-def lora_launches(num_tokens: int, distinct: int, rank: int, segmented: bool) -> None:
-    """``lora_shrink`` + ``lora_expand`` over every Llama-3-8B projection group (bf16 pool, rows on 16 bytes)."""
+def lora_launches(num_tokens: int, distinct: int, rank: int, segmented: bool | str) -> None:
+    """``lora_shrink`` + ``lora_expand`` over every Llama-3-8B projection group (bf16 pool, rows on 16 bytes).
+    segmented: False (BGMV), True (segments built on the host) or "device" (``build_segments_on_device``)."""
     import torch
 
     from kernels.lora_expand import lora_expand
-    from kernels.lora_meta import build_segments
+    from kernels.lora_meta import build_segments, build_segments_on_device
     from kernels.lora_shrink import lora_shrink
 
     gen = torch.Generator().manual_seed(0)
     slots = (torch.arange(num_tokens) % distinct)[torch.randperm(num_tokens, generator=gen)].to(torch.int32)
-    segments = build_segments(slots, device="cpu") if segmented else None
+    if segmented == "device":
+        segments = build_segments_on_device(slots, distinct)
+    else:
+        segments = build_segments(slots, device="cpu") if segmented else None
     for in_f, widths in MODULES.values():
         ns = len(widths)
         a_rows = torch.arange(distinct * rank, dtype=torch.int64).view(distinct, rank) * in_f
@@ -235,6 +239,8 @@ def main() -> None:
     for label, launch in (
         (f"decode T={args.tokens} d={args.distinct} r={args.rank}",
          lambda: lora_launches(args.tokens, args.distinct, args.rank, segmented=False)),
+        (f"decode, device-built segments T={args.tokens} d={args.distinct} r={args.rank}",
+         lambda: lora_launches(args.tokens, args.distinct, args.rank, segmented="device")),
         (f"prefill T={args.prefill_tokens} d={args.distinct} r={args.rank}",
          lambda: lora_launches(args.prefill_tokens, args.distinct, args.rank, segmented=True)),
         ("decode attention / norm / silu*mul", other_launches),

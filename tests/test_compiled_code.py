@@ -27,6 +27,7 @@ import perf.compile_report as cr
 with cr.compile_only() as reports:
     cr.lora_launches(64, 16, 16, segmented=False)
     cr.lora_launches(1024, 16, 16, segmented=True)
+    cr.lora_launches(64, 16, 16, segmented="device")   # the decode step with decode_lora_kernels="sgmv"
     cr.lora_launches(33, 5, 8, segmented=False)   # odd batch, rank 8
     cr.other_launches(batch=8, seq=256)
 json.dump([asdict(r) for r in reports], sys.stdout)

@@ -19,13 +19,14 @@ from model_factory import assert_pool_drained, make_base, peft_greedy, write_ran
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-@pytest.mark.parametrize("family, prefill_attention, fused", [
-    ("llama", "sdpa", True), ("qwen3", "sdpa", True), ("llama", "paged", True), ("mistral", "paged", True),
-    ("qwen3", "sdpa", False)])
-def test_kernel_path_matches_peft(tmp_path, device, family, prefill_attention, fused):
+@pytest.mark.parametrize("family, prefill_attention, fused, decode_lora", [
+    ("llama", "sdpa", True, "bgmv"), ("qwen3", "sdpa", True, "bgmv"), ("llama", "paged", True, "bgmv"),
+    ("mistral", "paged", True, "bgmv"), ("qwen3", "sdpa", False, "bgmv"), ("llama", "sdpa", True, "sgmv")])
+def test_kernel_path_matches_peft(tmp_path, device, family, prefill_attention, fused, decode_lora):
     """Mixed adapters/ranks/base requests; prefill chunks through torch's attention or as rows of the
     paged kernel (Mistral: its sliding window sends tokens past the window back to torch); residual
-    add + RMSNorm and silu(gate) * up fused or as torch ops."""
+    add + RMSNorm and silu(gate) * up fused or as torch ops; small (decode) steps' LoRA one program per token
+    (bgmv) or grouped by adapter (sgmv)."""
     extra = {"qwen3": {"head_dim": 24}, "mistral": {"sliding_window": 10}}.get(family, {})
     base = make_base(tmp_path / "base", family, seed=31, **extra)
     rng = random.Random(family)
@@ -35,8 +36,9 @@ def test_kernel_path_matches_peft(tmp_path, device, family, prefill_attention, f
                                                      targets=rng.sample(ALL, rng.randint(1, 7)), seed=40 + i))
     engine = Engine(EngineConfig(model_dir=str(base), adapters=adapters, device=device, dtype="float32",
                                  kernels="triton", max_lora_rank=16, page_size=8, prefill_attention=prefill_attention,
-                                 fuse_add_norm=fused, fuse_silu_mul=fused))
+                                 fuse_add_norm=fused, fuse_silu_mul=fused, decode_lora_kernels=decode_lora))
     assert engine.model.fuse_add_norm is fused and engine.model.fuse_silu_mul is fused
+    assert engine.steps.segmented_decode is (decode_lora == "sgmv")
     try:
         names = [None, *adapters]
         cases = []
@@ -55,8 +57,10 @@ def test_kernel_path_matches_peft(tmp_path, device, family, prefill_attention, f
         engine.shutdown()
 
 
-def test_cuda_graph_replay_equals_eager(tmp_path, device):
-    """Decode steps replayed from CUDA graphs give exactly the eager kernel path's tokens (GPU only)."""
+@pytest.mark.parametrize("decode_lora", ["bgmv", "sgmv"])
+def test_cuda_graph_replay_equals_eager(tmp_path, device, decode_lora):
+    """Decode steps replayed from CUDA graphs give exactly the eager kernel path's tokens (GPU only); with "sgmv" the
+    graphs group the tokens by adapter on the device at every replay."""
     if device != "cuda":
         pytest.skip("CUDA graphs need a GPU (run with TRITON_INTERPRET=0)")
     base = make_base(tmp_path / "base", "llama", seed=33)
@@ -69,7 +73,7 @@ def test_cuda_graph_replay_equals_eager(tmp_path, device):
     for graphs in (False, True):
         engine = Engine(EngineConfig(model_dir=str(base), adapters=adapters, device=device, dtype="float32",
                                      kernels="triton", cuda_graphs=graphs, max_lora_rank=16, max_num_seqs=16,
-                                     num_kv_pages=256))
+                                     num_kv_pages=256, decode_lora_kernels=decode_lora))
         try:
             assert (engine.graphs is not None) is graphs
             reqs = [GenerationRequest(f"g{i}", p, a, SamplingParams(max_tokens=12)) for i, (p, a) in enumerate(cases)]

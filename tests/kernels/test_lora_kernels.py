@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from kernels.lora_expand import lora_expand  # noqa: E402
-from kernels.lora_meta import build_segments  # noqa: E402
+from kernels.lora_meta import build_segments, build_segments_on_device  # noqa: E402
 from kernels.lora_shrink import lora_shrink  # noqa: E402
 from kernels.reference import ref_lora_expand, ref_lora_shrink  # noqa: E402
 
@@ -173,12 +173,20 @@ def expected_shrink(case: LoraCase) -> torch.Tensor:
     )
 
 
-def check_shrink(case: LoraCase, device: str, segmented: bool, config=None) -> torch.Tensor:
+def segments_for(case: LoraCase, segmented: bool | str):
+    """No segments (BGMV), host-built ones (True), or tables built on the device with fixed shapes ("device", what a
+    CUDA-graph decode step captures)."""
+    if segmented == "device":
+        return build_segments_on_device(case.token_slots, case.a_row_offsets.shape[1])
+    return build_segments(case.token_slots) if segmented else None
+
+
+def check_shrink(case: LoraCase, device: str, segmented: bool | str, config=None) -> torch.Tensor:
     ns = case.a_row_offsets.shape[0]
     num_tokens, max_rank = case.x.shape[0], case.a_row_offsets.shape[2]
     expected = expected_shrink(case)
     out = poisoned((ns, num_tokens, max_rank), device)
-    segments = build_segments(case.token_slots) if segmented else None
+    segments = segments_for(case, segmented)
     args = (case.x, case.pool, case.a_row_offsets, case.ranks, case.token_slots)
     if ns == 1:  # exercise the 2-D single-slice form too
         args = (case.x, case.pool, case.a_row_offsets[0], case.ranks[0], case.token_slots)
@@ -193,7 +201,7 @@ def check_shrink(case: LoraCase, device: str, segmented: bool, config=None) -> t
     return out
 
 
-def check_expand(case: LoraCase, device: str, segmented: bool, config=None) -> None:
+def check_expand(case: LoraCase, device: str, segmented: bool | str, config=None) -> None:
     ns = case.a_row_offsets.shape[0]
     num_tokens, max_rank = case.x.shape[0], case.a_row_offsets.shape[2]
     slots = case.token_slots.cpu().long()
@@ -208,7 +216,7 @@ def check_expand(case: LoraCase, device: str, segmented: bool, config=None) -> N
         case.token_slots.cpu(), expected, case.slice_bounds,
     )  # fmt: skip
     out = base.to(device, copy=True)
-    segments = build_segments(case.token_slots) if segmented else None
+    segments = segments_for(case, segmented)
     if ns == 1:
         lora_expand(
             y[0].to(device), case.pool, case.b_row_offsets[0], case.ranks[0], case.scalings[0],
@@ -245,7 +253,7 @@ def test_shrink_expand_grid(device, num_tokens, in_features, dist, num_slices):
     widths = [in_features + 8, 24, 40][:num_slices]  # q/k/v-like slices of different widths
     case = make_case(seed_of("grid", num_tokens, in_features, dist, num_slices), num_tokens, in_features,
                      widths, dist, device)  # fmt: skip
-    for segmented in (False, True):
+    for segmented in (False, True, "device"):
         check_shrink(case, device, segmented)
         check_expand(case, device, segmented)
 
@@ -469,6 +477,35 @@ def test_build_segments(dist, num_tokens):
         assert [tuple(t) for t in tiles] == expected, f"every segment cut into {block_m}-row tiles, in order"
 
 
+@pytest.mark.parametrize("dist", DISTS)
+@pytest.mark.parametrize("num_tokens", [1, 17, 64])
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_build_segments_on_device(dist, num_tokens, block_m):
+    """Fixed-shape tables: every adapter token lies in exactly one tile, each tile's rows share its segment's slot,
+    the padding tiles and the base-only tokens' segment have slot -1; the shapes depend on T and S only."""
+    gen = torch.Generator().manual_seed(seed_of("device-seg", dist, num_tokens, block_m))
+    slots, num_slots = token_slots_for(dist, num_tokens, gen)
+    meta = build_segments_on_device(slots, num_slots)
+    assert sorted(meta.token_order.tolist()) == list(range(num_tokens)), "token_order is a permutation of all tokens"
+    assert meta.seg_starts.shape == (num_slots + 2,) and meta.seg_slots.tolist() == [*range(num_slots), -1]
+    order, starts = meta.token_order.long(), meta.seg_starts.long()
+    for seg in range(num_slots + 1):
+        toks = order[starts[seg] : starts[seg + 1]]
+        assert (slots[toks] == (seg if seg < num_slots else -1)).all()
+        assert (toks[1:] > toks[:-1]).all(), "stable: tokens keep their order inside a segment"
+    tiles = meta.tiles(block_m)
+    assert tiles.shape == (meta.num_tiles(block_m), 2) and tiles.dtype == torch.int32
+    assert meta.num_tiles(block_m) == -(-num_tokens // block_m) + min(num_slots, num_tokens)
+    covered = []
+    for seg, row in tiles.tolist():
+        if meta.seg_slots[seg] < 0:
+            continue  # a padding tile: its programs return at once
+        end = int(starts[seg + 1])
+        assert int(starts[seg]) <= row < end
+        covered += order[row : min(row + block_m, end)].tolist()
+    assert sorted(covered) == torch.nonzero(slots >= 0).flatten().tolist(), "each adapter token in one tile"
+
+
 def test_argument_errors(device):
     case = make_case(seed_of("errors"), 3, 64, [32], "powerlaw", device)
     out = poisoned((1, 3, 16), device)
@@ -511,6 +548,38 @@ def test_lora_batch_shrink_scratch(device):
     for _forward in range(2):
         lora.begin_forward(17)
         assert lora._shrink_scratch is not None and not lora._shrink_scratch.any()
+        for layer in range(num_layers):
+            out = base.to(device, copy=True)
+            lora.apply(case.x, out, layer, ("q_proj", "k_proj"), (40, 24))
+            torch.testing.assert_close(out.cpu(), base + delta, **TOL)
+
+
+def test_lora_batch_device_segments(device):
+    """A graph-mode LoraBatch with segmented=True (the decode step's "sgmv" kernels): every forward groups the
+    tokens by slot on the device from the token_slots tensor as it is then, so a second forward after the slots
+    were refilled in place (what a CUDA-graph replay sees) serves the new assignment, every layer equal to the
+    dense result."""
+    from backend.lora_batch import LoraBatch
+
+    case = make_case(seed_of("device-segments"), 21, 136, [40, 24], "some_none", device)
+    num_layers, (ns, num_slots, max_rank) = 2, case.a_row_offsets.shape
+    row_offsets = torch.full((num_layers, 7, 2, num_slots, max_rank), -1, dtype=torch.int64, device=device)
+    ranks = torch.zeros((num_layers, 7, num_slots), dtype=torch.int32, device=device)
+    scalings = torch.zeros((num_layers, 7, num_slots), dtype=torch.float32, device=device)
+    row_offsets[:, :ns, 0], row_offsets[:, :ns, 1] = case.a_row_offsets, case.b_row_offsets
+    ranks[:, :ns], scalings[:, :ns] = case.ranks, case.scalings
+    token_slots = case.token_slots.clone()
+    lora = LoraBatch.from_tables(token_slots, row_offsets, ranks, scalings, case.pool, segmented=True)
+    base = torch.randn(21, 64, generator=case.gen)
+    for forward in range(2):
+        if forward:  # the next step's slots, written into the same tensor
+            new_slots, _ = token_slots_for("powerlaw", 21, case.gen)
+            new_slots[3] = -1
+            token_slots.copy_(new_slots.to(device))
+            case.token_slots = token_slots
+        _, delta = dense_lora(case)
+        lora.begin_forward(21)
+        assert lora.segments is not None and lora.segments.slot_counts is not None
         for layer in range(num_layers):
             out = base.to(device, copy=True)
             lora.apply(case.x, out, layer, ("q_proj", "k_proj"), (40, 24))
