@@ -53,6 +53,7 @@ class CompiledKernel:
     async_loads: dict[int, int] = field(default_factory=dict)  # width in bits -> LDGSTS (global -> shared copies)
     stores: dict[int, int] = field(default_factory=dict)  # width in bits -> STG instructions
     atomics: int = 0  # RED / ATOMG instructions
+    by_line: dict[str, dict[str, int]] = field(default_factory=dict)  # "file:line" -> PTX global ld/st op -> count
 
     def summary(self) -> str:
         def widths(counts: dict[int, int]) -> str:
@@ -82,6 +83,24 @@ def _memory_instructions(sass: str) -> tuple[dict[int, int], dict[int, int], dic
     return dict(by_op["LDG"]), dict(by_op["LDGSTS"]), dict(by_op["STG"]), atomics
 
 
+def _ptx_accesses_by_line(ptx: str) -> dict[str, dict[str, int]]:
+    """PTX global loads, stores and global->shared copies ("ld.global.v4.b32", "cp.async.cg.shared.global", ...)
+    counted by the source line their ``.loc`` names: which
+    ``tl.load`` became which width (a kernel with an aligned and a fallback path has both)."""
+    files = dict(re.findall(r'\.file\s+(\d+)\s+"([^"]+)"', ptx))
+    where, found = "?", collections.defaultdict(collections.Counter)
+    for line in ptx.splitlines():
+        loc = re.match(r"\s*\.loc\s+(\d+)\s+(\d+)", line)
+        if loc:
+            where = f"{os.path.basename(files.get(loc.group(1), loc.group(1)))}:{loc.group(2)}"
+            continue
+        access = re.search(r"\b(?:(?:ld|st)\.global|cp\.async)(?:\.[a-z0-9]+)*", line)
+        if access and not access.group(0).startswith(("cp.async.commit", "cp.async.wait")):
+            size = re.search(r"\],\s*(0x[0-9a-f]+|\d+)", line) if access.group(0).startswith("cp.async") else None
+            found[where][access.group(0) + (f"[{int(size.group(1), 0)}B]" if size else "")] += 1
+    return {k: dict(v) for k, v in sorted(found.items())}
+
+
 def _resources(cubin: bytes) -> tuple[str, dict[str, int]]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -109,6 +128,7 @@ def analyse(name: str, compiled, constexprs: dict[str, object]) -> CompiledKerne
         async_loads=async_loads,
         stores=stores,
         atomics=atomics,
+        by_line=_ptx_accesses_by_line(compiled.asm["ptx"]),
     )
 
 
@@ -176,12 +196,14 @@ def lora_launches(num_tokens: int, distinct: int, rank: int, segmented: bool | s
     import torch
 
     from kernels.lora_expand import lora_expand
-    from kernels.lora_meta import build_segments, build_segments_on_device
+    from kernels.lora_meta import build_segments
     from kernels.lora_shrink import lora_shrink
 
     gen = torch.Generator().manual_seed(0)
     slots = (torch.arange(num_tokens) % distinct)[torch.randperm(num_tokens, generator=gen)].to(torch.int32)
     if segmented == "device":
+        from kernels.lora_meta import build_segments_on_device
+
         segments = build_segments_on_device(slots, distinct)
     else:
         segments = build_segments(slots, device="cpu") if segmented else None
@@ -232,6 +254,7 @@ def main() -> None:
     parser.add_argument("--prefill-tokens", type=int, default=1024, help="prefill tokens (SGMV launches)")
     parser.add_argument("--distinct", type=int, default=16)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--by-line", action="store_true", help="also each kernel's PTX global accesses by source line")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         parser.error("unset TRITON_INTERPRET: the report compiles the kernels")
@@ -259,6 +282,9 @@ def main() -> None:
             print(f"\n{label}")
             last = label
         print("  " + r.summary())
+        if args.by_line:
+            for where, ops in r.by_line.items():
+                print(f"      {where:24s} " + " ".join(f"{op}:{n}" for op, n in sorted(ops.items())))
 
 
 if __name__ == "__main__":
