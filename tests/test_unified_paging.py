@@ -346,3 +346,35 @@ def test_stats_read_from_another_thread_while_the_engine_churns_adapters(base, t
         engine.shutdown()
     assert not failures, repr(failures[0])
     assert reads > 100 and all(r.error is None for r in results)
+
+
+@pytest.mark.parametrize("shape", ["tiny", "mixtral"])
+def test_page_count_equals_the_layout(shape):
+    """``pages_for`` (runs of equal rows placed at once) counts exactly the pages ``_layout`` lists row by row, for
+    random per-layer ranks and targets (experts included on an MoE base) and pages small enough that rows wrap."""
+    from backend.adapter_packing import _layout
+    from backend.catalogue import AdapterSpec
+    from backend.model_config import EXPERT_PARAMETERS
+    from perf.shapes import TINY
+
+    if shape == "mixtral":
+        cfg = ModelConfig.from_dict({**TINY, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                                     "num_local_experts": 4, "num_experts_per_tok": 2})
+    else:
+        cfg = ModelConfig.from_dict(TINY)
+    rng = random.Random(f"pages-{shape}")
+    longest = max(max(cfg.projection_shape(m)) for m in ALL)
+    if cfg.is_moe:
+        longest = max(longest, *(max(cfg.expert_shape(p)) for p in EXPERT_PARAMETERS))
+    for _ in range(60):
+        layer_ranks, expert_ranks = {}, {}
+        for layer in range(cfg.num_layers):
+            for m in rng.sample(ALL, rng.randint(0, len(ALL))):
+                layer_ranks[(layer, m)] = rng.randint(1, 16)
+            if cfg.is_moe and rng.random() < 0.5:
+                expert_ranks.update({(layer, p): rng.randint(1, 8) for p in EXPERT_PARAMETERS})
+        spec = AdapterSpec(name="r", path="", sha256="", rank=16, ranks={}, target_modules=tuple(ALL),
+                           layers=tuple(range(cfg.num_layers)), scaling={}, layer_ranks=layer_ranks,
+                           expert_ranks=expert_ranks, expert_scaling={})
+        page_elems = rng.randint(longest, 6 * longest)
+        assert pages_for(spec, cfg, page_elems) == _layout(spec, cfg, page_elems)[0]
