@@ -14,6 +14,16 @@ from tokenizers import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
 CONTEXT_TOKENS = 4
+# tokenizer identity -> (the tokenizer, kept alive so its id is not reused; token id -> whether the token's text
+# alone is whole characters)
+_WHOLE_TOKENS: dict[int, tuple[Tokenizer, dict[int, bool]]] = {}
+
+
+def _whole_token_table(tokenizer: Tokenizer) -> dict[int, bool]:
+    entry = _WHOLE_TOKENS.get(id(tokenizer))
+    if entry is None or entry[0] is not tokenizer:
+        entry = _WHOLE_TOKENS[id(tokenizer)] = (tokenizer, {})
+    return entry[1]
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
@@ -50,7 +60,10 @@ class IncrementalDecoder:
     Work per token is bounded: whether text ends on a whole character is read from a decode
     of the last few tokens only, and ``text`` (the decoded output so far, kept only with
     ``track_text``: the stop-string checks need it) grows by decoding a short window, as
-    vLLM's incremental detokenizer does, rather than the whole output again.
+    vLLM's incremental detokenizer does, rather than the whole output again. Most tokens need
+    no decode at all: a token whose own text has no U+FFFD is whole UTF-8, and appended to a
+    prefix that ends on a whole character it leaves one (whether each token id is whole is
+    decoded once per tokenizer).
     """
 
     TAIL_TOKENS = 16  # a window longer than any character's bytes, so its end decodes as the whole
@@ -62,6 +75,8 @@ class IncrementalDecoder:
         self._text = ""
         self._prefix_offset = 0  # text window start: decoding starts here, so context effects cancel
         self._read_offset = 0  # tokens whose text is in self._text
+        self._clean_upto = 0  # the first this many tokens are known to end on a whole character
+        self._whole = _whole_token_table(tokenizer)
 
     @property
     def text(self) -> str:
@@ -71,9 +86,18 @@ class IncrementalDecoder:
         return self._text
 
     def append(self, token_id: int) -> None:
+        if self._clean_upto == len(self.token_ids) and self._is_whole(token_id):
+            self._clean_upto += 1
         self.token_ids.append(token_id)
         if self.track_text:
             self._advance()
+
+    def _is_whole(self, token_id: int) -> bool:
+        whole = self._whole.get(token_id)
+        if whole is None:
+            text = self._tokenizer.decode([token_id], skip_special_tokens=True)
+            whole = self._whole[token_id] = REPLACEMENT_CHAR not in text
+        return whole
 
     def _advance(self) -> None:
         ids, decode = self.token_ids, self._tokenizer.decode
@@ -96,8 +120,13 @@ class IncrementalDecoder:
         run of undecodable bytes is held until the request finishes.
         """
         n = len(self.token_ids)
+        if self._clean_upto == n:  # every token since a clean prefix was whole: no decode needed
+            return n if n > released else released
         lowest = max(released, n - look_back)
-        while n > lowest and not self._ends_clean(n):
+        while n > lowest:
+            if self._ends_clean(n):
+                self._clean_upto = max(self._clean_upto, n)  # at n = len, the fast path goes on from here
+                break
             n -= 1
         return n if n > released else released
 

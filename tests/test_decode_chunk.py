@@ -94,3 +94,52 @@ def test_incremental_text_equals_decoding_everything(tokenizer):
             assert full.startswith(tracked.text)
         with pytest.raises(RuntimeError, match="track_text"):
             _ = untracked.text
+
+
+class _CountingTokenizer:
+    """The tokenizer, counting decode calls."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.decodes = tokenizer, 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.decodes += 1
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _clean_prefix_by_decoding(tokenizer, ids: list[int], released: int, look_back: int = 8) -> int:
+    """The clean-prefix rule with a tail decode at every candidate length (no whole-token shortcut)."""
+    n = len(ids)
+    lowest = max(released, n - look_back)
+    while n > lowest and tokenizer.decode(ids[max(0, n - IncrementalDecoder.TAIL_TOKENS):n]).endswith("\ufffd"):
+        n -= 1
+    return n if n > released else released
+
+
+def test_whole_tokens_skip_the_decode_and_agree_with_it(tokenizer):
+    """After a clean prefix, a token whose own text is whole characters keeps the prefix clean without a decode;
+    on random streams (split characters included) the answer equals decoding every candidate tail, and a stream of
+    whole tokens costs no decode once each token id has been seen."""
+    rng = random.Random(3)
+    vocab = tokenizer.get_vocab_size()
+    for trial in range(300):
+        if trial % 2:
+            ids = [rng.randrange(2, vocab) for _ in range(rng.randint(1, 40))]
+        else:
+            ids = tokenizer.encode("".join(rng.choice(WORDS) for _ in range(12)), add_special_tokens=False).ids
+        decoder, released = IncrementalDecoder(tokenizer, track_text=False), 0
+        for i, token in enumerate(ids):
+            decoder.append(token)
+            n = decoder.clean_prefix_len(released)
+            assert n == _clean_prefix_by_decoding(tokenizer, ids[: i + 1], released)
+            if rng.random() < 0.5:
+                released = n
+    ascii_ids = tokenizer.encode(" the baker the baker the baker", add_special_tokens=False).ids
+    counting = _CountingTokenizer(tokenizer)
+    for _ in range(2):  # the first pass learns each id's wholeness
+        counting.decodes = 0
+        decoder = IncrementalDecoder(counting, track_text=False)
+        for token in ascii_ids:
+            decoder.append(token)
+            assert decoder.clean_prefix_len() == len(decoder.token_ids)
+    assert counting.decodes == 0
