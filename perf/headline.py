@@ -58,6 +58,8 @@ class HeadlineConfig:
     max_cpu_loras: int | None = None
     admit_every_steps: int = 1
     adapter_load_processes: int | None = None  # None: the engine's default for the device
+    prefill_attention: str = "sdpa"  # EngineConfig.prefill_attention
+    decode_lora_kernels: str = "bgmv"  # EngineConfig.decode_lora_kernels
     slo_s: float = SLO_TTFT_S
     seed: int = 0
     skip_peft: bool = False
@@ -170,6 +172,8 @@ def run(cfg: HeadlineConfig, out: Path) -> dict:
                 max_cpu_loras=cfg.max_cpu_loras,
                 admit_every_steps=cfg.admit_every_steps,
                 adapter_load_processes=cfg.adapter_load_processes,
+                prefill_attention=cfg.prefill_attention,
+                decode_lora_kernels=cfg.decode_lora_kernels,
                 max_model_len=cfg.input_range[1] + cfg.output_range[1] + 8,
             )
         )
@@ -349,6 +353,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[HeadlineConfig, Path]:
     p.add_argument("--max-cpu-loras", type=int)
     p.add_argument("--admit-every-steps", type=int)
     p.add_argument("--adapter-load-processes", type=int)
+    p.add_argument("--prefill-attention", choices=["sdpa", "paged"])
+    p.add_argument("--decode-lora-kernels", choices=["bgmv", "sgmv"])
     p.add_argument("--slo", type=float, dest="slo_s")
     p.add_argument("--seed", type=int)
     p.add_argument("--skip-peft", action="store_true", default=None)

@@ -298,6 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--admit-every-steps", type=int, default=1)
     p.add_argument("--prefill-attention", choices=["sdpa", "paged"], default="sdpa")
+    p.add_argument("--decode-lora-kernels", choices=["bgmv", "sgmv"], default="bgmv")
     p.add_argument("--adapter-load-processes", type=int, default=None,
                    help="EngineConfig.adapter_load_processes (default: the engine's, by device)")
     p.add_argument("--trace-steps", type=int, default=0,
@@ -330,6 +331,7 @@ def main(argv: list[str] | None = None) -> None:
             max_loras=max_num_seqs, max_cpu_loras=d.get("max_cpu_loras"),
              admit_every_steps=a.admit_every_steps,
             prefill_attention=a.prefill_attention, adapter_load_processes=a.adapter_load_processes,
+            decode_lora_kernels=a.decode_lora_kernels,
             max_model_len=d["input_range"][1] + d["output_range"][1] + 8))
         errors = engine.catalogue.register_all(catalogue, strict=False, workers=max(4, os.cpu_count() or 4))
         if errors:
