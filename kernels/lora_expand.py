@@ -32,11 +32,12 @@ _VARYING_POINTERS = ["b_row_offsets_ptr", "ranks_ptr", "scalings_ptr", "tiles_pt
 
 
 @triton.jit
-def _load_b_rows(pool_ptr, row_offs, offs_n, r_mask, n_mask, ROW_ALIGN: tl.constexpr):
+def load_b_rows(pool_ptr, row_offs, offs_n, r_mask, n_mask, ROW_ALIGN: tl.constexpr):
     """[BLOCK_R, BLOCK_N] tile pool[row_offs[:, None] + offs_n[None, :]] (masked rows / columns: 0).
 
     Rows that all start on 16 bytes (the paged layout) get vectorised loads: (o // A) * A == o there, and tells
-    the compiler so; other layouts take the same load without the promise."""
+    the compiler so; other layouts take the same load without the promise. Shared with the MoE-LoRA pair
+    kernels (kernels/moe_lora_pairs.py)."""
     mask = r_mask[:, None] & n_mask[None, :]
     if tl.sum((row_offs % ROW_ALIGN != 0).to(tl.int32), axis=0) == 0:
         aligned = (row_offs // ROW_ALIGN) * ROW_ALIGN
@@ -67,7 +68,7 @@ def _bgmv_tile(
         r_mask = offs_r < rank
         y = tl.load(y_row + offs_r * stride_yr, mask=r_mask, other=0.0)
         row_offs = tl.load(b_offs_row + offs_r * stride_br, mask=r_mask, other=0).to(tl.int64)
-        b = _load_b_rows(pool_ptr, row_offs, offs_n, r_mask, n_mask, ROW_ALIGN)
+        b = load_b_rows(pool_ptr, row_offs, offs_n, r_mask, n_mask, ROW_ALIGN)
         acc += tl.sum(y.to(tl.float32)[:, None] * b.to(tl.float32), axis=0)
     _add_scaled(out_row + (n_start + offs_n).to(tl.int64) * stride_on, n_mask, scaling, acc)
 
@@ -151,7 +152,7 @@ def _sgmv_tile(
         r_mask = offs_r < rank
         y = tl.load(y_rows[:, None] + offs_r[None, :] * stride_yr, mask=m_mask[:, None] & r_mask[None, :], other=0.0)
         row_offs = tl.load(b_offs_row + offs_r * stride_br, mask=r_mask, other=0).to(tl.int64)
-        b = _load_b_rows(pool_ptr, row_offs, offs_n, r_mask, n_mask, ROW_ALIGN)
+        b = load_b_rows(pool_ptr, row_offs, offs_n, r_mask, n_mask, ROW_ALIGN)
         # fp32 pool: exact fp32 dot; 16-bit pool: y rounded to the pool dtype, fp32 accumulation
         acc += tl.dot(y.to(b.dtype), b, input_precision=DOT_PRECISION)
     out_mask = m_mask[:, None] & n_mask[None, :]

@@ -63,6 +63,24 @@ def _bgmv_rows_dot(
 
 
 @triton.jit
+def bgmv_rows_dot(
+    x_row, stride_xk, pool_ptr, row_offs, r_mask, k_start, k_end, in_features,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ROW_ALIGN: tl.constexpr,
+):  # fmt: skip
+    """``_bgmv_rows_dot``, where rows that all start on 16 bytes (the paged layout) get vectorised loads:
+    (o // A) * A == o there, and tells the compiler so; other layouts take the same loop without the promise.
+    Shared with the MoE-LoRA pair kernels (kernels/moe_lora_pairs.py)."""
+    if tl.sum((row_offs % ROW_ALIGN != 0).to(tl.int32), axis=0) == 0:
+        aligned = (row_offs // ROW_ALIGN) * ROW_ALIGN
+        acc = _bgmv_rows_dot(x_row, stride_xk, pool_ptr, aligned, r_mask, k_start, k_end, in_features,
+                             BLOCK_R, BLOCK_K, EVEN_K)  # fmt: skip
+    else:
+        acc = _bgmv_rows_dot(x_row, stride_xk, pool_ptr, row_offs, r_mask, k_start, k_end, in_features,
+                             BLOCK_R, BLOCK_K, EVEN_K)  # fmt: skip
+    return acc
+
+
+@triton.jit
 def _sgmv_rows_dot(
     x_ptr, tokens, m_mask, stride_xm, stride_xk, pool_ptr, row_offs, r_mask, k_start, k_end, in_features,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
@@ -140,16 +158,8 @@ def _lora_shrink_bgmv_kernel(
     k_start = tl.multiple_of(pid_k * k_split_len, BLOCK_K)  # k_split_len is a multiple of BLOCK_K
     k_end = tl.minimum(k_start + k_split_len, in_features)
     k_end = tl.where(pid_r * BLOCK_R < rank, k_end, k_start)  # rank block past the slot's rank: skip
-    x_row = x_ptr + token * stride_xm
-    # rows that start on 16 bytes (the usual paged layout) get vectorised loads: (o // A) * A == o
-    # there, and tells the compiler so; other layouts take the same loop without the promise
-    if tl.sum((row_offs % ROW_ALIGN != 0).to(tl.int32), axis=0) == 0:
-        row_offs = (row_offs // ROW_ALIGN) * ROW_ALIGN
-        acc = _bgmv_rows_dot(x_row, stride_xk, pool_ptr, row_offs, r_mask, k_start, k_end, in_features,
-                             BLOCK_R, BLOCK_K, EVEN_K)  # fmt: skip
-    else:
-        acc = _bgmv_rows_dot(x_row, stride_xk, pool_ptr, row_offs, r_mask, k_start, k_end, in_features,
-                             BLOCK_R, BLOCK_K, EVEN_K)  # fmt: skip
+    acc = bgmv_rows_dot(x_ptr + token * stride_xm, stride_xk, pool_ptr, row_offs, r_mask, k_start, k_end,
+                        in_features, BLOCK_R, BLOCK_K, EVEN_K, ROW_ALIGN)  # fmt: skip
     out_ptrs = out_ptr + slice_id * stride_os + token * stride_om + offs_r * stride_or
     if not ATOMIC:
         # the whole row is written here: zeros past the rank and on base-only tokens

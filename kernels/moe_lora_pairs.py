@@ -1,4 +1,4 @@
-"""MoE-LoRA shrink and expand in decode form: one program per (token, k) pair, no alignment.
+"""MoE-LoRA shrink and expand in decode form: one program per (token, k) pair, no block alignment of the pairs.
 
 The block form (``kernels.moe_lora_blocks``) sorts the pairs by virtual expert ``slot * E + e``
 (a second ``moe_align_block_size``: a sort and some twenty small kernels per layer) so that a
@@ -7,7 +7,8 @@ are few pairs per (adapter, expert) (batch 64, top-8 of 128 experts, 8 adapters:
 so the tiles are mostly padding and the alignment's launches cost more than the reuse saves.
 Here each program reads its pair's routed expert (``topk_ids``) and its token's adapter slot
 (``token_slots``) and does a GEMV against that adapter's rows where they lie in the pool, like
-the dense BGMV kernels (``kernels.lora_shrink``/``lora_expand``).
+the dense BGMV kernels (``kernels.lora_shrink``/``lora_expand``), with their row readers
+(``bgmv_rows_dot``, ``load_b_rows``: 16 bytes an instruction where the rows start on 16 bytes).
 
 Layouts are those of ``kernels.fused_moe_lora`` (``MoeLora``): row k of A_{s,e} for slice i at
 pool element ``a_offsets[i, s, e, k]``, row k of B_{s,e}^T at ``b_offsets[i, s, e, k]``.
@@ -19,7 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.lora_expand import load_b_rows
 from kernels.lora_meta import cdiv, check_shape, check_tensor
+from kernels.lora_shrink import bgmv_rows_dot
 from kernels.moe_lora_args import check_expand_args, check_shrink_args
 
 __all__ = ["moe_lora_shrink_pairs", "moe_lora_expand_pairs", "pairs_shrink_config", "pairs_expand_config"]
@@ -51,6 +54,7 @@ def _moe_lora_shrink_pairs_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     NUM_R_BLOCKS: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,  # elements in 16 bytes of the pool dtype
 ):
     pair = tl.program_id(0).to(tl.int64)
     pid_k = tl.program_id(1)
@@ -74,14 +78,8 @@ def _moe_lora_shrink_pairs_kernel(
         mask=r_mask,
         other=0,
     ).to(tl.int64)
-    a_row = a_ptr + (pair // rows_div) * stride_am
-    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for k0 in range(k_start, tl.minimum(k_start + k_per_split, k_size), BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k_size
-        x = tl.load(a_row + offs_k * stride_ak, mask=k_mask, other=0.0).to(tl.float32)
-        a = tl.load(pool_ptr + row_offs[:, None] + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += tl.sum(a.to(tl.float32) * x[None, :], axis=1)
+    acc = bgmv_rows_dot(a_ptr + (pair // rows_div) * stride_am, stride_ak, pool_ptr, row_offs, r_mask, k_start,
+                        tl.minimum(k_start + k_per_split, k_size), k_size, BLOCK_R, BLOCK_K, False, ROW_ALIGN)
     y_ptrs = y_ptr + slice_id * stride_ys + pair * stride_ym + offs_r * stride_yr
     if SPLIT_K == 1:
         tl.store(y_ptrs, acc, mask=r_mask)
@@ -116,6 +114,7 @@ def _moe_lora_expand_pairs_kernel(
     BLOCK_N: tl.constexpr,
     NUM_N_BLOCKS: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,  # elements in 16 bytes of the pool dtype
 ):
     pair = tl.program_id(0).to(tl.int64)
     slice_id = tl.program_id(1) // NUM_N_BLOCKS
@@ -138,7 +137,7 @@ def _moe_lora_expand_pairs_kernel(
             mask=r_mask,
             other=0,
         ).to(tl.int64)
-        b = tl.load(pool_ptr + row_offs[:, None] + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        b = load_b_rows(pool_ptr, row_offs, offs_n, r_mask, n_mask, ROW_ALIGN)
         # as the block form: y rounded to the pool dtype, products accumulated in fp32
         acc += tl.sum(y.to(b.dtype).to(tl.float32)[:, None] * b.to(tl.float32), axis=0)
     acc = acc * scaling
@@ -233,6 +232,7 @@ def moe_lora_shrink_pairs(
         a4.stride(0), a4.stride(1), a4.stride(2), a4.stride(3),
         y3.stride(0), y3.stride(1), y3.stride(2),
         NUM_R_BLOCKS=num_r_blocks,
+        ROW_ALIGN=16 // pool.element_size(),
         **cfg,
     )  # fmt: skip
     return y
@@ -294,6 +294,7 @@ def moe_lora_expand_pairs(
         out.stride(0), out.stride(1),
         NUM_N_BLOCKS=num_n_blocks,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
+        ROW_ALIGN=16 // pool.element_size(),
         **cfg,
     )  # fmt: skip
     return out

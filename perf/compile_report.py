@@ -226,6 +226,31 @@ def lora_launches(num_tokens: int, distinct: int, rank: int, segmented: bool | s
         lora_expand(y, pool, b_offs, ranks, scalings, slots, base, bounds, segments=segments)
 
 
+def moe_pair_launches(tokens: int = 64, distinct: int = 8, rank: int = 16) -> None:
+    """The MoE-LoRA decode kernels (one program per (token, expert) pair) at the Qwen3-30B-A3B shape: hidden 2048,
+    128 experts of intermediate 768, top-8; gate_up (two slices) and down, bf16 pool with rows on 16 bytes."""
+    import torch
+
+    from kernels.moe_lora_pairs import moe_lora_expand_pairs, moe_lora_shrink_pairs
+
+    hidden, inter, experts, top_k = 2048, 768, 128, 8
+    gen = torch.Generator().manual_seed(0)
+    topk_ids = torch.randint(experts, (tokens, top_k), generator=gen, dtype=torch.int32)
+    slots = (torch.arange(tokens) % distinct).to(torch.int32)
+    ranks, scalings = torch.full((distinct,), rank, dtype=torch.int32), torch.full((distinct,), 0.5)
+    pairs = tokens * top_k
+    for num_slices, k_dim, width, rows_div in ((2, hidden, inter, top_k), (1, inter, hidden, 1)):
+        rows = torch.arange(num_slices * distinct * experts * rank, dtype=torch.int64)
+        a_offsets = (rows * k_dim).view(num_slices, distinct, experts, rank)
+        b_offsets = (rows * width).view(num_slices, distinct, experts, rank)
+        pool = torch.empty(rows.numel() * max(k_dim, width), dtype=torch.bfloat16)
+        a_in = torch.empty(pairs // rows_div, k_dim, dtype=torch.bfloat16)
+        y = torch.empty(num_slices, pairs, rank)
+        out = torch.empty(pairs, num_slices * width, dtype=torch.bfloat16)
+        moe_lora_shrink_pairs(a_in, pool, a_offsets, ranks, topk_ids, slots, y, rows_div=rows_div)
+        moe_lora_expand_pairs(y, pool, b_offsets, ranks, scalings, topk_ids, slots, out)
+
+
 def other_launches(batch: int = 64, seq: int = 1024) -> None:
     """Paged decode attention (32 q / 8 kv heads, d 128, page 16), add+RMSNorm and silu*mul at the 8B shapes."""
     import torch
@@ -266,6 +291,7 @@ def main() -> None:
          lambda: lora_launches(args.tokens, args.distinct, args.rank, segmented="device")),
         (f"prefill T={args.prefill_tokens} d={args.distinct} r={args.rank}",
          lambda: lora_launches(args.prefill_tokens, args.distinct, args.rank, segmented=True)),
+        ("MoE-LoRA decode pairs, Qwen3-30B-A3B shape, T=64 d=8 r=16", moe_pair_launches),
         ("decode attention / norm / silu*mul", other_launches),
     ):  # fmt: skip
         with compile_only() as reports:

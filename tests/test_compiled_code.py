@@ -30,6 +30,7 @@ with cr.compile_only() as reports:
     cr.lora_launches(64, 16, 16, segmented="device")   # the decode step with decode_lora_kernels="sgmv"
     cr.lora_launches(33, 5, 8, segmented=False)   # odd batch, rank 8
     cr.other_launches(batch=8, seq=256)
+    cr.moe_pair_launches(tokens=8, distinct=3)
 json.dump([asdict(r) for r in reports], sys.stdout)
 """
 
@@ -53,6 +54,7 @@ def test_every_kernel_that_streams_memory_was_compiled(compiled):
     assert names >= {
         "_lora_shrink_bgmv_kernel", "_lora_shrink_sgmv_kernel", "_lora_expand_bgmv_kernel",
         "_lora_expand_sgmv_kernel", "_paged_decode_attention_kernel", "_add_rms_norm_kernel", "_silu_mul_kernel",
+        "_moe_lora_shrink_pairs_kernel", "_moe_lora_expand_pairs_kernel",
     }  # fmt: skip
 
 

@@ -71,16 +71,20 @@ def test_strip_chars_and_empty(tokenizer):
     assert decode_chunk(tokenizer, [], ids) == ""
 
 
-def test_incremental_text_equals_decoding_everything(tokenizer):
-    """The windowed text (kept for stop strings) and the tail-only clean check agree with full decodes."""
-    rng = random.Random(2)
+def _mixed_streams(tokenizer, rng: random.Random, trials: int):
+    """Token streams, alternately arbitrary ids and encoded text with split multi-byte characters."""
     vocab = tokenizer.get_vocab_size()
-    for trial in range(200):
+    for trial in range(trials):
         if trial % 2:
-            ids = [rng.randrange(2, vocab) for _ in range(rng.randint(1, 40))]
+            yield [rng.randrange(2, vocab) for _ in range(rng.randint(1, 40))]
         else:
             text = "".join(rng.choice(WORDS) for _ in range(rng.randint(1, 12)))
-            ids = tokenizer.encode(text, add_special_tokens=False).ids
+            yield tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def test_incremental_text_equals_decoding_everything(tokenizer):
+    """The windowed text (kept for stop strings) and the tail-only clean check agree with full decodes."""
+    for ids in _mixed_streams(tokenizer, random.Random(2), 200):
         tracked, untracked = IncrementalDecoder(tokenizer), IncrementalDecoder(tokenizer, track_text=False)
         for i, token in enumerate(ids):
             tracked.append(token)
@@ -121,12 +125,7 @@ def test_whole_tokens_skip_the_decode_and_agree_with_it(tokenizer):
     on random streams (split characters included) the answer equals decoding every candidate tail, and a stream of
     whole tokens costs no decode once each token id has been seen."""
     rng = random.Random(3)
-    vocab = tokenizer.get_vocab_size()
-    for trial in range(300):
-        if trial % 2:
-            ids = [rng.randrange(2, vocab) for _ in range(rng.randint(1, 40))]
-        else:
-            ids = tokenizer.encode("".join(rng.choice(WORDS) for _ in range(12)), add_special_tokens=False).ids
+    for ids in _mixed_streams(tokenizer, rng, 300):
         decoder, released = IncrementalDecoder(tokenizer, track_text=False), 0
         for i, token in enumerate(ids):
             decoder.append(token)
