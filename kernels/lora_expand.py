@@ -55,11 +55,13 @@ def _add_scaled(ptrs, mask, scaling, acc):
 
 
 @triton.jit
-def _bgmv_tile(
+def bgmv_expand_tile(
     y_row, stride_yr, b_offs_row, stride_br, pool_ptr, out_row, stride_on, rank, scaling, n_start, n_size, pid_n,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ROW_ALIGN: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ROW_ALIGN: tl.constexpr, ROUND_Y: tl.constexpr = False,
 ):  # fmt: skip
-    """One token's columns [pid_n * BLOCK_N, +BLOCK_N) of one slice: out_row[n_start + n] += scaling * y . B^T[:, n]."""
+    """One token's columns [pid_n * BLOCK_N, +BLOCK_N) of one slice: out_row[n_start + n] += scaling * y . B^T[:, n]
+    (y [rank] fp32 at y_row, rank row k's pool offset at b_offs_row[k]; ROUND_Y: y rounded to the pool dtype
+    first). Shared with the MoE-LoRA pair kernel (kernels/moe_lora_pairs.py)."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_size
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -69,6 +71,8 @@ def _bgmv_tile(
         y = tl.load(y_row + offs_r * stride_yr, mask=r_mask, other=0.0)
         row_offs = tl.load(b_offs_row + offs_r * stride_br, mask=r_mask, other=0).to(tl.int64)
         b = load_b_rows(pool_ptr, row_offs, offs_n, r_mask, n_mask, ROW_ALIGN)
+        if ROUND_Y:
+            y = y.to(b.dtype)
         acc += tl.sum(y.to(tl.float32)[:, None] * b.to(tl.float32), axis=0)
     _add_scaled(out_row + (n_start + offs_n).to(tl.int64) * stride_on, n_mask, scaling, acc)
 
@@ -128,11 +132,11 @@ def _lora_expand_bgmv_kernel(
     # a slice that starts and ends on 16 bytes (q/k/v and gate/up do) takes the same path with that promised:
     # (v // A) * A == v there, and lets the compiler use vector loads and stores
     if (n_start % COL_ALIGN == 0) & (n_size % COL_ALIGN == 0):
-        _bgmv_tile(y_row, stride_yr, b_offs_row, stride_br, pool_ptr, out_row, stride_on, rank, scaling,
+        bgmv_expand_tile(y_row, stride_yr, b_offs_row, stride_br, pool_ptr, out_row, stride_on, rank, scaling,
                    (n_start // COL_ALIGN) * COL_ALIGN, (n_size // COL_ALIGN) * COL_ALIGN, pid_n,
                    BLOCK_R, BLOCK_N, ROW_ALIGN)  # fmt: skip
     else:
-        _bgmv_tile(y_row, stride_yr, b_offs_row, stride_br, pool_ptr, out_row, stride_on, rank, scaling,
+        bgmv_expand_tile(y_row, stride_yr, b_offs_row, stride_br, pool_ptr, out_row, stride_on, rank, scaling,
                    n_start, n_size, pid_n, BLOCK_R, BLOCK_N, ROW_ALIGN)  # fmt: skip
 
 

@@ -8,7 +8,7 @@ so the tiles are mostly padding and the alignment's launches cost more than the 
 Here each program reads its pair's routed expert (``topk_ids``) and its token's adapter slot
 (``token_slots``) and does a GEMV against that adapter's rows where they lie in the pool, like
 the dense BGMV kernels (``kernels.lora_shrink``/``lora_expand``), with their row readers
-(``bgmv_rows_dot``, ``load_b_rows``: 16 bytes an instruction where the rows start on 16 bytes).
+(``bgmv_rows_dot``, ``bgmv_expand_tile``: 16 bytes an instruction where the rows start on 16 bytes).
 
 Layouts are those of ``kernels.fused_moe_lora`` (``MoeLora``): row k of A_{s,e} for slice i at
 pool element ``a_offsets[i, s, e, k]``, row k of B_{s,e}^T at ``b_offsets[i, s, e, k]``.
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_expand import load_b_rows
+from kernels.lora_expand import bgmv_expand_tile
 from kernels.lora_meta import cdiv, check_shape, check_tensor
 from kernels.lora_shrink import bgmv_rows_dot
 from kernels.moe_lora_args import check_expand_args, check_shrink_args
@@ -125,27 +125,13 @@ def _moe_lora_expand_pairs_kernel(
     expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
     rank = tl.load(ranks_ptr + slot)
     scaling = tl.load(scalings_ptr + slot)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < slice_width
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        r_mask = offs_r < rank
-        y = tl.load(y_ptr + slice_id * stride_ys + pair * stride_ym + offs_r * stride_yr, mask=r_mask, other=0.0)
-        row_offs = tl.load(
-            b_offsets_ptr + slice_id * stride_bs + slot * stride_bslot + expert * stride_be + offs_r * stride_br,
-            mask=r_mask,
-            other=0,
-        ).to(tl.int64)
-        b = load_b_rows(pool_ptr, row_offs, offs_n, r_mask, n_mask, ROW_ALIGN)
-        # as the block form: y rounded to the pool dtype, products accumulated in fp32
-        acc += tl.sum(y.to(b.dtype).to(tl.float32)[:, None] * b.to(tl.float32), axis=0)
-    acc = acc * scaling
     if MUL_ROUTED_WEIGHT:
-        acc = acc * tl.load(topk_weights_ptr + pair).to(tl.float32)
-    out_ptrs = out_ptr + pair * stride_om + (slice_id * slice_width + offs_n).to(tl.int64) * stride_on
-    base = tl.load(out_ptrs, mask=n_mask, other=0.0)
-    tl.store(out_ptrs, (base.to(tl.float32) + acc).to(base.dtype), mask=n_mask)
+        scaling = scaling * tl.load(topk_weights_ptr + pair).to(tl.float32)
+    # as the block form: y rounded to the pool dtype, products accumulated in fp32
+    bgmv_expand_tile(y_ptr + slice_id * stride_ys + pair * stride_ym, stride_yr,
+                     b_offsets_ptr + slice_id * stride_bs + slot * stride_bslot + expert * stride_be, stride_br,
+                     pool_ptr, out_ptr + pair * stride_om, stride_on, rank, scaling, slice_id * slice_width,
+                     slice_width, pid_n, BLOCK_R, BLOCK_N, ROW_ALIGN, True)  # fmt: skip
 
 
 def pairs_shrink_config(num_pairs: int, k_size: int, max_rank: int, num_slices: int) -> dict[str, int]:
