@@ -140,7 +140,8 @@ class Engine:
         dense = not cfg.is_moe and self.tp is None
         if config.warmup and self.use_kernels and self.device.startswith("cuda") and dense:
             warm_up(self.model, self.kv, config.max_lora_rank, config.max_num_batched_tokens, config.max_num_seqs,
-                    max_len=self.max_len, paged_prefill=config.prefill_attention == "paged")
+                    max_len=self.max_len, paged_prefill=config.prefill_attention == "paged",
+                    segmented_decode=config.decode_lora_kernels == "sgmv")
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graphs and self.use_kernels and self.device.startswith("cuda") and self.tp is None:
             self._capture_graphs()

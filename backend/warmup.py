@@ -53,8 +53,11 @@ def synthetic_adapter(pool: UnifiedPool, rank: int, max_rank: int, scaling: floa
 
 @torch.inference_mode()
 def warm_up(model: LlamaModel, kv: PagedKVCache, max_rank: int, max_tokens: int, max_seqs: int,
-            sizes: list[int] | None = None, max_len: int | None = None, paged_prefill: bool = False) -> float:
+            sizes: list[int] | None = None, max_len: int | None = None, paged_prefill: bool = False,
+            segmented_decode: bool = False) -> float:
     """Run the kernel path over step sizes; returns seconds spent. Leaves the pool as it found it.
+    segmented_decode: steps under SEGMENTED_MIN_TOKENS take the segmented LoRA kernels (as the engine's
+    ``decode_lora_kernels="sgmv"`` makes them), so those variants are the ones compiled.
 
     A prefill step of t tokens is one sequence, or several when t exceeds ``max_len`` (the
     context: positions past it have no rotary table rows), as the scheduler would batch them.
@@ -75,7 +78,8 @@ def warm_up(model: LlamaModel, kv: PagedKVCache, max_rank: int, max_tokens: int,
         for t in sizes:
             # prefill: t tokens in sequences of at most seq_cap (segmented kernels from 64 tokens up)
             model.forward(_prefill_batch(kv, owner, t, seq_cap, device, paged_prefill), kv,
-                          LoraBatch([0] * t, [resident], pool.storage, device, use_kernels=True))
+                          LoraBatch([0] * t, [resident], pool.storage, device, use_kernels=True,
+                                    segmented=segmented_decode))
             pool.pages.free(owner)
             if t == SEGMENTED_MIN_TOKENS:
                 # segmented kernels over short segments (their smaller row blocks): sequences of 16
@@ -99,7 +103,8 @@ def warm_up(model: LlamaModel, kv: PagedKVCache, max_rank: int, max_tokens: int,
                                                 seq_lens=torch.ones(t, dtype=torch.int32, device=device),
                                                 all_rows=True))
             slots_t = [0 if i % 2 == 0 else -1 for i in range(t)]
-            model.forward(batch, kv, LoraBatch(slots_t, [resident], pool.storage, device, use_kernels=True))
+            model.forward(batch, kv, LoraBatch(slots_t, [resident], pool.storage, device, use_kernels=True,
+                                               segmented=segmented_decode))
             pool.pages.free(owner)
         if device.startswith("cuda"):
             torch.cuda.synchronize()

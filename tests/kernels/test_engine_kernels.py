@@ -142,6 +142,8 @@ def test_warm_up_runs_the_kernel_path_and_gives_every_page_back(tmp_path, device
                        max_len=engine.max_len) > 0
         assert warm_up(engine.model, engine.kv, 8, max_tokens=130, max_seqs=4, sizes=[5, 64, 130],
                        max_len=engine.max_len, paged_prefill=True) > 0
+        assert warm_up(engine.model, engine.kv, 8, max_tokens=130, max_seqs=4, sizes=[2, 17],
+                       max_len=engine.max_len, segmented_decode=True) > 0
         assert engine.pool.usage() == before
         engine.pool.pages.check()
         assert step_sizes(4096)[:16] == list(range(1, 17)) and step_sizes(4096)[-1] == 4096
