@@ -63,6 +63,14 @@ class SegmentMeta:
                 self._tiles.update(_tile_tables(self.seg_lens, (block_m,), self.token_order.device))
         return self._tiles[block_m]
 
+    def config_segments(self) -> int:
+        """The segment count the launchers' heuristics size K splits for: the real one, or, for tables built on the
+        device (whose grouping the host does not know), as many as segments of max_seg_len tokens would make
+        (the grid still covers the worst case; the tiles past the real ones exit at once)."""
+        if self.slot_counts is None:
+            return self.num_segments
+        return min(self.num_segments, cdiv(self.num_tokens, max(1, self.max_seg_len)))
+
     def num_tiles(self, block_m: int) -> int:
         if self.slot_counts is not None:
             return _max_tiles(self.num_tokens, self.num_segments - 1, block_m)

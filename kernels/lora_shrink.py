@@ -476,7 +476,7 @@ def prepare_shrink(
     if segments.num_segments == 0:  # slot -1 tokens only: no program; their rows are zero
         return dataclasses.replace(nothing, zero_out=not out_is_zero)
     cfg = shrink_config(num_tokens, in_features, max_rank, True, segments.max_seg_len, num_slices,
-                        segments.num_segments)  # fmt: skip
+                        segments.config_segments())  # fmt: skip
     cfg.update(config or {})
     num_r_blocks, k_split_len, split_k = _grid_split(cfg, in_features, max_rank)
     tiles = segments.tiles(cfg["BLOCK_M"])

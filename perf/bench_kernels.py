@@ -176,7 +176,7 @@ def bench_lora(name, in_f, widths, rank, num_tokens, distinct, uni, copy_bw, for
             seg = segments_of(batches[0], form)
             if op == "shrink":
                 cfg = shrink_config(num_tokens, in_f, rank, seg is not None, seg.max_seg_len if seg else 0, ns,
-                                    seg.num_segments if seg else 0)  # fmt: skip
+                                    seg.config_segments() if seg else 0)  # fmt: skip
             else:
                 cfg = expand_config(num_tokens, max(widths), rank, seg is not None, seg.max_seg_len if seg else 0, ns)
             rec = {
