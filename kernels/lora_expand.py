@@ -6,7 +6,8 @@ length ``out`` each (row k = B[:, k]), contiguous in the flat ``pool`` at
 ``slice_offsets[i] : slice_offsets[i + 1]`` of ``base_out``.
 
 Two launch forms, like ``lora_shrink``: BGMV (one program per token, decode) and SGMV (tokens
-grouped by slot into segments, tl.dot tiles, prefill).
+grouped by slot into segments, tl.dot tiles, prefill). As there, rows on 16 bytes, and slices whose
+first column and width are multiples of 16 bytes, are read and written 16 bytes an instruction.
 """
 
 from __future__ import annotations

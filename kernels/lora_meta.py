@@ -5,7 +5,9 @@ segmented kernels want the tokens that share a slot to sit together: this module
 adapter tokens by slot and describes the runs ("segments") of equal slot. Tokens stay where
 they are in ``x`` and in the outputs; the kernels read and write them through ``token_order``.
 
-Build the metadata once per batch and pass it to every layer's ``lora_shrink``/``lora_expand``.
+Build the metadata once per batch and pass it to every layer's ``lora_shrink``/``lora_expand``:
+``build_segments`` on the host (exact, one read back), or ``build_segments_on_device`` inside a
+CUDA graph (tables of fixed shapes that a replay rebuilds from whatever slots it holds).
 """
 
 from __future__ import annotations
