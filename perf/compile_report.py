@@ -154,16 +154,20 @@ def compile_only(target: GPUTarget = H200) -> Iterator[list[CompiledKernel]]:
     """Launches inside compile their kernel for ``target`` and return without running; yields the reports, one per
     compiled variant, in launch order (a launch whose variant was compiled before adds none).
 
-    Needs compiled Triton (TRITON_INTERPRET unset when the kernels' modules were imported).
+    Needs compiled Triton (TRITON_INTERPRET unset when the kernels' modules were imported), in a process that has
+    launched none of these kernels for real (a variant already in Triton's cache would be launched, not compiled).
+    Afterwards the kernels' per-device caches are dropped, so that later real launches bind to the real target.
     """
     from triton import knobs
     from triton.runtime import driver
 
     reports: list[CompiledKernel] = []
     seen: set[tuple] = set()
+    kernels: list = []
 
     def compile_and_skip(*, key, fn, compile, **_) -> bool:
         jit_fn = fn.jit_function
+        kernels.append(jit_fn)
         options = {k: compile[k] for k in ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion")}
         ident = (jit_fn.__name__, repr(key))
         if ident not in seen:
@@ -182,6 +186,8 @@ def compile_only(target: GPUTarget = H200) -> Iterator[list[CompiledKernel]]:
     finally:
         knobs.runtime.jit_cache_hook = saved_hook
         driver.reset_active() if driver._default is not None else setattr(driver, "_active", None)
+        for jit_fn in kernels:
+            jit_fn.device_caches.clear()
 
 
 # --- the benchmark's launches -------------------------------------------------------------------------------------
