@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels.lora_meta import FLOAT_DTYPES, SegmentMeta, cdiv, check_segments, check_shape, check_tensor, sgmv_block_m
-from kernels.relaunch import Relauncher
+from kernels.relaunch import Relauncher, relauncher
 
 __all__ = ["ExpandLaunch", "expand_config", "lora_expand", "prepare_expand"]
 
@@ -447,7 +447,7 @@ def prepare_expand(
         cfg = dict(config or expand_config(num_tokens, max_out, max_rank, segmented=False, num_slices=num_slices))
         meta = {**cfg, **align}
         return ExpandLaunch((num_tokens, cdiv(max_out, cfg["BLOCK_N"]), num_slices), meta, bounds, single,
-                            relaunch=Relauncher(_lora_expand_bgmv_kernel, meta))
+                            relaunch=relauncher(_lora_expand_bgmv_kernel, **meta))
     check_segments(segments, num_tokens, device)
     if segments.num_segments == 0:
         return nothing
@@ -456,4 +456,4 @@ def prepare_expand(
     tiles = segments.tiles(cfg["BLOCK_M"])
     meta = {**cfg, "NUM_N_BLOCKS": num_n_blocks, "DOT_PRECISION": "ieee", **align}
     return ExpandLaunch((num_slices * num_n_blocks, tiles.shape[0]), meta, bounds, single, segments, tiles,
-                        Relauncher(_lora_expand_sgmv_kernel, meta))
+                        relauncher(_lora_expand_sgmv_kernel, **meta))

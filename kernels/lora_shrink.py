@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels.lora_meta import FLOAT_DTYPES, SegmentMeta, cdiv, check_segments, check_shape, check_tensor, sgmv_block_m
-from kernels.relaunch import Relauncher
+from kernels.relaunch import Relauncher, relauncher
 
 __all__ = ["ShrinkLaunch", "lora_shrink", "prepare_shrink", "shrink_config"]
 
@@ -473,7 +473,7 @@ def prepare_shrink(
                 "ROW_ALIGN": row_align}
         return ShrinkLaunch((num_tokens, split_k, num_slices * num_r_blocks), meta, k_split_len, split_k,
                             zero_out=split_k > 1 and not out_is_zero, single=single,
-                            relaunch=Relauncher(_lora_shrink_bgmv_kernel, meta))
+                            relaunch=relauncher(_lora_shrink_bgmv_kernel, **meta))
 
     check_segments(segments, num_tokens, device)
     if segments.num_segments == 0:  # slot -1 tokens only: no program; their rows are zero
@@ -488,7 +488,7 @@ def prepare_shrink(
     # slot -1 tokens have no program, and the splits add: the output starts at zero
     return ShrinkLaunch((num_slices * num_r_blocks * split_k, tiles.shape[0]), meta, k_split_len, split_k,
                         zero_out=not out_is_zero, single=single, segments=segments, tiles=tiles,
-                        relaunch=Relauncher(_lora_shrink_sgmv_kernel, meta))
+                        relaunch=relauncher(_lora_shrink_sgmv_kernel, **meta))
 
 
 def _meta(cfg: dict[str, int], always_atomic: bool = False) -> dict[str, int]:

@@ -83,8 +83,10 @@ _SHARED_MAX = 1024
 
 
 def relauncher(fn: triton.runtime.JITFunction, **meta: object) -> Relauncher:
-    """A process-wide ``Relauncher`` of ``fn`` with ``meta`` (for launchers called per layer without a prepared
-    launch: the norms, silu * up, paged attention)."""
+    """A process-wide ``Relauncher`` of ``fn`` with ``meta``: for launchers called per layer without a prepared
+    launch (the norms, silu * up, paged attention), and for the prepared LoRA launches, so that the compiled kernels
+    they found outlive the step that prepared them (a step's first launch of a signature seen before skips the
+    dispatch too)."""
     key = (fn, tuple(meta.items()))
     shared = _SHARED.get(key)
     if shared is None:
