@@ -11,10 +11,12 @@
 #                                                    # DECODE_LORA=bgmv|sgmv, GPU 1 the baseline)           ~6 min
 #   bash perf/h200/lora_kernels_ab.sh server $OUT    # server latency at 50/90% of SATURATION and perf_analyzer
 #                                                    # at concurrency 16 and request rates PA_RATES ("2 4 8") ~8 min
+#   bash perf/h200/lora_kernels_ab.sh profile $OUT   # where the engine thread's time goes now: profile_engine
+#                                                    # --python-profile at n = 2000 on both trees at once      ~5 min
 # BASE (default .baseline_s9) names the baseline tree. Each part writes one log and one .tgz (a device call
 # returns few files) and prints a short table last.
 set -u
-PART=${1:?part: kernels, headline or server}
+PART=${1:?part: kernels, headline, server or profile}
 OUT=${2:-/tmp/h200}
 ROOT=$PWD
 BASE=${BASE:-$ROOT/.baseline_s9}
@@ -100,6 +102,24 @@ server)
     grep -E "ready after|saturation \|" "$W/server_latency.txt" | sort -u
     echo "== perf_analyzer"; grep -E "^== |Throughput|latency|failed" "$W/server/perf_analyzer.txt" | head -40
   } > "$OUT/server.txt" 2>&1
+  ;;
+profile)
+  profile() {  # tree label gpu
+    (cd "$1" && CUDA_VISIBLE_DEVICES=$3 PYTHONPATH=$1 timeout 400 python3 -m perf.profile_engine --shape llama3-8b \
+      --rate 24 --duration 12 --drain 15 --max-num-seqs 128 --admit-every-steps 4 --adapters 0 2000 \
+      --python-profile --out "$W/prof_$2") > "$W/prof_$2.txt" 2>&1
+    stamp "profile $2 (gpu $3)" $?
+  }
+  profile "$BASE" base 1 &
+  profile "$ROOT" new 0
+  wait
+  {
+    cat "$W/times.txt"
+    for t in new base; do
+      echo "== profile $t"; grep -E "^==|phase|graph:|eager:" "$W/prof_$t.txt"
+      head -n 40 "$W/prof_$t/python_profile.txt" 2>/dev/null
+    done
+  } > "$OUT/profile_ab.txt" 2>&1
   ;;
 *)
   echo "unknown part $PART" >&2
