@@ -8,7 +8,8 @@
 #                                                    # the baseline's bgmv) beside the decode step (GPU 0: this tree
 #                                                    # bgmv and sgmv, then the baseline)                     ~9 min
 #   bash perf/h200/lora_kernels_ab.sh headline $OUT  # the headline on both trees at once (GPU 0 this tree with
-#                                                    # DECODE_LORA=bgmv|sgmv, GPU 1 the baseline)           ~6 min
+#                                                    # DECODE_LORA=bgmv|sgmv and PREFILL=sdpa|paged, GPU 1 the
+#                                                    # baseline with its defaults)                            ~6 min
 #   bash perf/h200/lora_kernels_ab.sh server $OUT    # server latency at 50/90% of SATURATION and perf_analyzer
 #                                                    # at concurrency 16 and request rates PA_RATES ("2 4 8") ~8 min
 #   bash perf/h200/lora_kernels_ab.sh profile $OUT   # where the engine thread's time goes now: profile_engine
@@ -85,7 +86,7 @@ headline)
     rm -rf "$W/work_$2"
   }
   headline "$BASE" base 1 "" &
-  headline "$ROOT" new 0 "--decode-lora-kernels ${DECODE_LORA:-bgmv}"
+  headline "$ROOT" new 0 "--decode-lora-kernels ${DECODE_LORA:-bgmv} --prefill-attention ${PREFILL:-sdpa}"
   wait
   {
     cat "$W/times.txt"
