@@ -12,7 +12,6 @@ first column and width are multiples of 16 bytes, are read and written 16 bytes 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,10 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_meta import FLOAT_DTYPES, SegmentMeta, cdiv, check_segments, check_shape, check_tensor, sgmv_block_m
+from kernels.lora_config import expand_config
+from kernels.lora_meta import FLOAT_DTYPES, SegmentMeta, cdiv, check_segments, check_shape, check_tensor
 from kernels.relaunch import Relauncher, relauncher
 
-__all__ = ["ExpandLaunch", "expand_config", "lora_expand", "prepare_expand"]
+__all__ = ["ExpandLaunch", "lora_expand", "prepare_expand"]
 
 # Step-to-step values (token and segment counts, strides that follow the number of tokens or of
 # adapter slots) and slot-table pointers whose alignment follows the slot count: not specialised
@@ -231,33 +231,6 @@ def _lora_expand_sgmv_kernel(
     else:
         _sgmv_tile(y_rows, stride_yr, m_mask, b_offs_row, stride_br, pool_ptr, out_rows, stride_on, rank, scaling,
                    n_start, n_size, pid_n, BLOCK_M, BLOCK_R, BLOCK_N, DOT_PRECISION, ROW_ALIGN)  # fmt: skip
-
-
-@functools.lru_cache(maxsize=4096)
-def _expand_config_cached(
-    num_tokens: int, max_out: int, max_rank: int, segmented: bool, max_seg_len: int = 0, num_slices: int = 1
-) -> dict[str, int]:
-    """Block sizes for ``lora_expand`` (a plain heuristic; tl.dot tiles stay >= 16).
-
-    BGMV: a [BLOCK_R, BLOCK_N] tile of B^T rows is about 4096 elements; BLOCK_N shrinks (down
-    to 64) while the grid (tokens x N blocks x slices) of a wide layer has fewer than ~4
-    programs per SM.
-    """
-    n_cap = max(16, triton.next_power_of_2(max_out))
-    if not segmented:
-        block_r = min(32, triton.next_power_of_2(max(1, max_rank)))
-        block_n = max(128, min(512, 4096 // block_r))
-        while block_n > 64 and max_out >= 1024 and num_tokens * num_slices * cdiv(max_out, block_n) < 4 * 132:
-            block_n //= 2
-        return {"BLOCK_R": block_r, "BLOCK_N": min(block_n, n_cap), "num_warps": 4}
-    # H200 sweep (perf/bench_sgmv_prefill.py --sweep, T = 4096, 8 adapters): 32 x 128 tiles, 4 warps
-    block_m = sgmv_block_m(max_seg_len)
-    return {"BLOCK_M": block_m, "BLOCK_R": 16, "BLOCK_N": min(128, n_cap), "num_warps": 4}
-
-
-def expand_config(*args, **kwargs) -> dict[str, int]:
-    """A fresh copy of the cached heuristic's choice (see ``_expand_config_cached``): callers may change it."""
-    return dict(_expand_config_cached(*args, **kwargs))
 
 
 _BOUNDS_CACHE: dict[tuple, torch.Tensor] = {}

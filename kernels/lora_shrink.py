@@ -22,17 +22,17 @@ start on 16 bytes (the engine's paged layout) takes a path where the compiler is
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_meta import FLOAT_DTYPES, SegmentMeta, cdiv, check_segments, check_shape, check_tensor, sgmv_block_m
+from kernels.lora_config import grid_split, shrink_config, shrink_meta
+from kernels.lora_meta import FLOAT_DTYPES, SegmentMeta, check_segments, check_shape, check_tensor
 from kernels.relaunch import Relauncher, relauncher
 
-__all__ = ["ShrinkLaunch", "lora_shrink", "prepare_shrink", "shrink_config"]
+__all__ = ["ShrinkLaunch", "lora_shrink", "prepare_shrink"]
 
 # Values that change from step to step (token and segment counts, strides that follow the number
 # of tokens or of adapter slots, K splits) and table pointers whose 16-byte alignment follows the
@@ -254,63 +254,6 @@ def _lora_shrink_sgmv_kernel(
         tl.atomic_add(out_ptrs, acc, mask=out_mask, sem="relaxed")
 
 
-NUM_SMS = 132  # H200; the heuristics only need the order of magnitude
-_TARGET_PROGRAMS = 4 * NUM_SMS
-
-
-def _split_k(in_features: int, block_k: int, base_programs: int, target: int = _TARGET_PROGRAMS) -> int:
-    """K splits so that ``base_programs * split`` reaches ``target``: the smallest divisor of the
-    number of K blocks that does (all splits then get the same number of K blocks)."""
-    num_k_blocks = cdiv(in_features, block_k)
-    want = cdiv(target, max(1, base_programs))
-    return next((d for d in range(1, num_k_blocks + 1) if num_k_blocks % d == 0 and d >= want), num_k_blocks)
-
-
-@functools.lru_cache(maxsize=4096)
-def _shrink_config_cached(
-    num_tokens: int,
-    in_features: int,
-    max_rank: int,
-    segmented: bool,
-    max_seg_len: int = 0,
-    num_slices: int = 1,
-    num_segments: int = 0,
-) -> dict[str, int]:
-    """Block sizes and K split for ``lora_shrink`` (a plain heuristic; tl.dot tiles stay >= 16).
-
-    BGMV: one [BLOCK_R, BLOCK_K] tile of adapter rows is about 4096 elements; SPLIT_K splits
-    ``in_features`` so the grid (tokens x K splits x slices x rank blocks) has several programs per
-    SM. SGMV: tl.dot tiles of BLOCK_M tokens; SPLIT_K likewise when there are few tiles.
-    """
-    k_cap = max(16, triton.next_power_of_2(in_features))
-    if not segmented:
-        block_r = min(64, triton.next_power_of_2(max(1, max_rank)))
-        block_k = min(k_cap, max(128, min(512, 4096 // block_r)))
-        base = num_tokens * num_slices * cdiv(max_rank, block_r)
-        # too few programs even with one K block each: smaller tiles, more programs
-        while block_k > 128 and base * cdiv(in_features, block_k) < _TARGET_PROGRAMS:
-            block_k //= 2
-        block_k = min(block_k, k_cap)
-        split = _split_k(in_features, block_k, base)
-        return {"BLOCK_R": block_r, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": 4}
-    # measured on the H200 (perf/bench_sgmv_prefill.py --sweep, T = 4096, 8 adapters, rank 16): 32-row
-    # tiles and 64-wide K blocks without a K split beat 64 x 128 with 4 splits by 1.6x (q/k/v) and
-    # 1.1x (gate/up); atomics cost more than the extra programs gain once there are ~NUM_SMS tiles
-    block_m = sgmv_block_m(max_seg_len)
-    block_r = min(64, max(16, triton.next_power_of_2(max(1, max_rank))))
-    block_k = min(k_cap, 64)
-    # tiles: at most one partial tile per segment beyond the rows' own
-    tiles = cdiv(num_tokens, block_m) + (num_segments or 1)
-    base = tiles * num_slices * cdiv(max_rank, block_r)
-    split = _split_k(in_features, block_k, base, target=NUM_SMS)
-    return {"BLOCK_M": block_m, "BLOCK_R": block_r, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": 4}
-
-
-def shrink_config(*args, **kwargs) -> dict[str, int]:
-    """A fresh copy of the cached heuristic's choice (see ``_shrink_config_cached``): callers may change it."""
-    return dict(_shrink_config_cached(*args, **kwargs))
-
-
 @dataclass(frozen=True)
 class ShrinkLaunch:
     """A checked ``lora_shrink`` launch (``prepare_shrink``): the form, grid, block sizes and K split for tensors
@@ -468,8 +411,8 @@ def prepare_shrink(
     if segments is None:
         cfg = shrink_config(num_tokens, in_features, max_rank, segmented=False, num_slices=num_slices)
         cfg.update(config or {})
-        num_r_blocks, k_split_len, split_k = _grid_split(cfg, in_features, max_rank)
-        meta = {**_meta(cfg), "NUM_R_BLOCKS": num_r_blocks, "EVEN_K": in_features % cfg["BLOCK_K"] == 0,
+        num_r_blocks, k_split_len, split_k = grid_split(cfg, in_features, max_rank)
+        meta = {**shrink_meta(cfg), "NUM_R_BLOCKS": num_r_blocks, "EVEN_K": in_features % cfg["BLOCK_K"] == 0,
                 "ROW_ALIGN": row_align}
         return ShrinkLaunch((num_tokens, split_k, num_slices * num_r_blocks), meta, k_split_len, split_k,
                             zero_out=split_k > 1 and not out_is_zero, single=single,
@@ -481,30 +424,11 @@ def prepare_shrink(
     cfg = shrink_config(num_tokens, in_features, max_rank, True, segments.max_seg_len, num_slices,
                         segments.config_segments())  # fmt: skip
     cfg.update(config or {})
-    num_r_blocks, k_split_len, split_k = _grid_split(cfg, in_features, max_rank)
+    num_r_blocks, k_split_len, split_k = grid_split(cfg, in_features, max_rank)
     tiles = segments.tiles(cfg["BLOCK_M"])
-    meta = {**_meta(cfg, always_atomic=True), "NUM_R_BLOCKS": num_r_blocks,
+    meta = {**shrink_meta(cfg, always_atomic=True), "NUM_R_BLOCKS": num_r_blocks,
             "EVEN_K": in_features % cfg["BLOCK_K"] == 0, "DOT_PRECISION": "ieee", "ROW_ALIGN": row_align}
     # slot -1 tokens have no program, and the splits add: the output starts at zero
     return ShrinkLaunch((num_slices * num_r_blocks * split_k, tiles.shape[0]), meta, k_split_len, split_k,
                         zero_out=not out_is_zero, single=single, segments=segments, tiles=tiles,
                         relaunch=relauncher(_lora_shrink_sgmv_kernel, **meta))
-
-
-def _meta(cfg: dict[str, int], always_atomic: bool = False) -> dict[str, int]:
-    """The kernel's compile-time parameters of a config: SPLIT_K becomes the ATOMIC flag (the split
-    itself is a runtime argument). The SGMV form always adds atomically into its zeroed output, so
-    that whether a step happens to need no split does not compile a second variant."""
-    meta = {k: v for k, v in cfg.items() if k != "SPLIT_K"}
-    meta["ATOMIC"] = always_atomic or cfg["SPLIT_K"] > 1
-    return meta
-
-
-def _grid_split(cfg: dict[str, int], in_features: int, max_rank: int) -> tuple[int, int, int]:
-    """(rank blocks, K elements per split, number of splits) for a config; fixes cfg["SPLIT_K"]."""
-    block_k = cfg["BLOCK_K"]
-    num_k_blocks = cdiv(in_features, block_k)
-    blocks_per_split = cdiv(num_k_blocks, max(1, min(int(cfg.get("SPLIT_K", 1)), num_k_blocks)))
-    split_k = cdiv(num_k_blocks, blocks_per_split)
-    cfg["SPLIT_K"] = split_k
-    return cdiv(max_rank, cfg["BLOCK_R"]), blocks_per_split * block_k, split_k

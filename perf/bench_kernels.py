@@ -37,9 +37,10 @@ import torch
 import triton
 import triton.testing
 
-from kernels.lora_expand import expand_config, lora_expand
+from kernels.lora_config import expand_config, shrink_config
+from kernels.lora_expand import lora_expand
 from kernels.lora_meta import build_segments, build_segments_on_device, sgmv_block_m
-from kernels.lora_shrink import lora_shrink, shrink_config
+from kernels.lora_shrink import lora_shrink
 from kernels.paged_attention import paged_decode_attention
 
 MODULES = {  # name: (in_features, widths of the slices sharing the input)
@@ -196,8 +197,6 @@ def bench_lora(name, in_f, widths, rank, num_tokens, distinct, uni, copy_bw, for
 
 def sweep(copy_bw, gen):
     """Shrink BGMV configs around the heuristic on qkv (tuning aid)."""
-    from kernels import lora_shrink as ls
-
     in_f, widths, rank = 4096, (4096, 1024, 1024), 16
     uni = Universe(in_f, widths, rank, 64)
     for num_tokens, distinct in ((1, 1), (16, 16), (64, 64), (256, 64)):
@@ -206,7 +205,7 @@ def sweep(copy_bw, gen):
         x = torch.randn(num_tokens, in_f, dtype=DTYPE, device="cuda")
         y = torch.zeros(3, num_tokens, rank, device="cuda")
         nbytes = distinct * 3 * rank * in_f * 2 + x.numel() * 2 + 2 * y.numel() * 4
-        heur = ls.shrink_config(num_tokens, in_f, rank, False, num_slices=3)
+        heur = shrink_config(num_tokens, in_f, rank, False, num_slices=3)
         results = []
         for block_k, split, warps in itertools.product((128, 256, 512), (1, 2, 4, 8, 16, 32), (2, 4, 8)):
             if split > in_f // block_k or (warps != 4 and block_k != heur["BLOCK_K"]):

@@ -136,7 +136,7 @@ def run(out_path: str, sweep: bool) -> None:
     elif sweep:
         for group in SWEEP_GROUPS:
             case = Case(group, 4096, 8, seed=7)
-            from kernels.lora_shrink import shrink_config
+            from kernels.lora_config import shrink_config
 
             for block_m in (32, 64, 128):  # tile tables built before the graph capture
                 case.segments.tiles(block_m)

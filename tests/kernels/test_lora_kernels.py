@@ -353,7 +353,7 @@ def test_small_blocks(device, shrink_cfg, expand_cfg, segmented, dist):
 )
 def test_shrink_config_decode(num_tokens, in_features, num_slices, max_rank):
     """Decode shapes: enough programs to fill the GPU, K tiles of 128..512, splits that divide K evenly."""
-    from kernels.lora_shrink import NUM_SMS, shrink_config
+    from kernels.lora_config import NUM_SMS, shrink_config
 
     cfg = shrink_config(num_tokens, in_features, max_rank, segmented=False, num_slices=num_slices)
     assert 128 <= cfg["BLOCK_K"] <= 512
@@ -532,7 +532,7 @@ def test_lora_batch_shrink_scratch(device):
     split-K partial sums add into it), and a second forward over the same batch (a CUDA graph replay) starts
     from zeros again: both forwards, both layers give the dense result."""
     from backend.lora_batch import LoraBatch
-    from kernels.lora_shrink import shrink_config
+    from kernels.lora_config import shrink_config
 
     case = make_case(seed_of("scratch"), 17, 130, [40, 24], "some_none", device)
     assert shrink_config(17, 130, 16, segmented=False, num_slices=2)["SPLIT_K"] > 1, "the K splits add atomically"
