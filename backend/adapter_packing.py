@@ -60,20 +60,32 @@ def pages_for(spec: AdapterSpec, cfg: ModelConfig, page_elems: int) -> int:
     """Pages the adapter takes in the pool: ``_layout``'s count, computed a run of equal rows at a time (the engine
     thread asks it of every adapter it schedules; listing 7,000 rows of an 8B-shape adapter took ~3 ms there)."""
     page, cursor, placed = 0, 0, False
-    projections = [(module, cfg.projection_shape(module)) for module in PROJECTIONS]
-    experts = [(parameter, cfg.expert_shape(parameter)) for parameter in EXPERT_PARAMETERS] if cfg.is_moe else []
-    for layer in range(cfg.num_layers):
-        runs = [(spec.layer_ranks.get((layer, module), 0), shape) for module, shape in projections]
-        if experts and any(spec.expert_ranks.get((layer, parameter), 0) for parameter, _ in experts):
-            _check_expert_rows(spec, cfg, layer, page_elems)
-            runs += [(spec.expert_ranks.get((layer, parameter), 0), shape)
-                     for _ in range(cfg.num_experts) for parameter, shape in experts]
-        for rank, (n_in, n_out) in runs:
-            if rank:
-                placed = True
-                page, cursor = _place_run(page, cursor, rank, n_in, page_elems)
-                page, cursor = _place_run(page, cursor, rank, n_out, page_elems)
+    for _layer, _slot, rank, lengths in _runs(spec, cfg, page_elems):
+        placed = True
+        for length in lengths:
+            page, cursor = _place_run(page, cursor, rank, length, page_elems)
     return page + 1 if placed else 0
+
+
+def _runs(spec: AdapterSpec, cfg: ModelConfig, page_elems: int):
+    """The adapter's rank rows in pool order, a run per (layer, module slot): (layer, slot, rank, (A row length,
+    B^T row length)); the layout places the run's A rows, then its B^T rows. Refuses an expert row longer than a
+    page."""
+    projections = [(MODULE_INDEX[m], cfg.projection_shape(m)) for m in PROJECTIONS]
+    experts = [(p, parameter, cfg.expert_shape(parameter)) for p, parameter in enumerate(EXPERT_PARAMETERS)]
+    for layer in range(cfg.num_layers):
+        for (slot, shape), module in zip(projections, PROJECTIONS, strict=True):
+            rank = spec.layer_ranks.get((layer, module), 0)
+            if rank:
+                yield layer, slot, rank, shape
+        if not cfg.is_moe:
+            continue
+        _check_expert_rows(spec, cfg, layer, page_elems)
+        for e in range(cfg.num_experts):
+            for p, parameter, shape in experts:
+                rank = spec.expert_ranks.get((layer, parameter), 0)
+                if rank:
+                    yield layer, expert_slot(e, p), rank, shape
 
 
 def _place_run(page: int, cursor: int, count: int, length: int, page_elems: int) -> tuple[int, int]:
@@ -97,27 +109,13 @@ def _layout(spec: AdapterSpec, cfg: ModelConfig, page_elems: int):
     """(pages, rows): each rank row as (layer, module slot, kind 0=A / 1=B^T, k, pool offset, length)."""
     rows = []
     page, cursor = 0, 0
-
-    def place(layer: int, slot: int, rank: int, n_in: int, n_out: int) -> None:
-        nonlocal page, cursor
-        for kind, length in ((0, n_in), (1, n_out)):
+    for layer, slot, rank, lengths in _runs(spec, cfg, page_elems):
+        for kind, length in enumerate(lengths):
             for k in range(rank):
                 if cursor + length > page_elems:  # a row never straddles two pages
                     page, cursor = page + 1, 0
                 rows.append((layer, slot, kind, k, page * page_elems + cursor, length))
                 cursor += length
-
-    for layer in range(cfg.num_layers):
-        for module in PROJECTIONS:
-            r = spec.layer_ranks.get((layer, module), 0)
-            if r:
-                place(layer, MODULE_INDEX[module], r, *cfg.projection_shape(module))
-        _check_expert_rows(spec, cfg, layer, page_elems)
-        for e in range(cfg.num_experts):
-            for p, parameter in enumerate(EXPERT_PARAMETERS):
-                r = spec.expert_ranks.get((layer, parameter), 0)
-                if r:
-                    place(layer, expert_slot(e, p), r, *cfg.expert_shape(parameter))
     num_pages = page + 1 if rows else 0
     return num_pages, rows
 
