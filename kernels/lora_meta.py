@@ -92,7 +92,7 @@ def _device_tile_table(slot_counts: torch.Tensor, seg_starts: torch.Tensor, num_
     rows past the real tiles point at it, and its slot -1 makes their programs return at once."""
     num_slots = slot_counts.numel() - 1
     per_segment = (slot_counts + block_m - 1) // block_m
-    per_segment[num_slots] = 0  # the base-only tokens' segment
+    per_segment.narrow(0, num_slots, 1).zero_()  # the base-only tokens' segment (a fill: no host-to-device copy)
     tile_ends = torch.cumsum(per_segment, dim=0)  # [S + 1], the last = the real tiles
     index = torch.arange(_max_tiles(num_tokens, num_slots, block_m), device=slot_counts.device)
     seg = torch.searchsorted(tile_ends, index, right=True).clamp_(max=num_slots)  # past the real tiles: S
@@ -193,7 +193,8 @@ def build_segments_on_device(token_slots: torch.Tensor, num_slots: int, max_seg_
     seg_starts = torch.zeros(num_slots + 2, dtype=torch.int64, device=device)
     torch.cumsum(counts, dim=0, out=seg_starts[1:])
     seg_slots = torch.arange(num_slots + 1, dtype=torch.int32, device=device)
-    seg_slots[num_slots] = -1
+    # a fill, not ``seg_slots[num_slots] = -1``: item assignment copies a host scalar, which a capture refuses
+    seg_slots.narrow(0, num_slots, 1).fill_(-1)
     return SegmentMeta(
         token_order=order.to(torch.int32),
         seg_starts=seg_starts.to(torch.int32),

@@ -506,6 +506,29 @@ def test_build_segments_on_device(dist, num_tokens, block_m):
     assert sorted(covered) == torch.nonzero(slots >= 0).flatten().tolist(), "each adapter token in one tile"
 
 
+def test_device_segments_take_no_host_data():
+    """The device-built tables come from torch ops on the slots alone: no host literal is lifted into a tensor
+    (``t[i] = -1`` and ``torch.tensor(...)`` are), since a CUDA-graph capture refuses the host-to-device copy that
+    this makes on a GPU (the H200 run of 2026-12-01 failed so before the fills). Checked on any device by
+    watching the dispatcher for ``aten.lift_fresh``."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class NoHostData(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            assert func is not torch.ops.aten.lift_fresh.default, "a host value became a tensor"
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(seed_of("no-host-data"))
+    slots, num_slots = token_slots_for("powerlaw", 40, gen)
+    with NoHostData():
+        meta = build_segments_on_device(slots, num_slots)
+        meta.tiles(16)
+        meta.tiles(32)
+    assert meta.seg_slots.tolist() == [*range(num_slots), -1]
+    with pytest.raises(AssertionError, match="host value"), NoHostData():
+        slots[0] = -1  # the detector detects
+
+
 def test_argument_errors(device):
     case = make_case(seed_of("errors"), 3, 64, [32], "powerlaw", device)
     out = poisoned((1, 3, 16), device)
