@@ -54,11 +54,11 @@ class DecodeGraphs:
     """Captures and replays decode steps for batch sizes up to max_batch."""
 
     def __init__(self, model: LlamaModel, kv: PagedKVCache, scratch_page: int, max_batch: int, max_blocks: int,
-                 max_loras: int, max_rank: int, segmented_lora: bool = False) -> None:
+                 max_loras: int, max_rank: int, decode_form: str = "bgmv") -> None:
         self.model, self.kv = model, kv
         cfg, dev = model.cfg, model.device
         self.scratch_page = scratch_page
-        self.segmented_lora = segmented_lora  # LoRA through the segmented kernels, groups built in the graph
+        self.decode_form = decode_form  # the LoRA kernels; with segments ("sgmv", "hybrid") built in the graph
         self.buckets = batch_buckets(max_batch)
         n = self.buckets[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
@@ -90,7 +90,7 @@ class DecodeGraphs:
     def _lora(self, size: int) -> LoraBatch:
         return LoraBatch.from_tables(self.token_slots[:size], self.row_offsets, self.ranks, self.scalings,
                                      self.kv.pool.storage, graph_experts=self.expert_lora,
-                                     segmented=self.segmented_lora)
+                                     decode_form=self.decode_form)
 
     def capture_all(self) -> None:
         """Capture every bucket, with and without LoRA (biggest first, sharing one memory pool)."""

@@ -22,7 +22,7 @@ from backend.adapter import AdapterSpec
 from backend.adapter_manager import AdapterManager
 from backend.adapter_process_loader import SHM_DIR, choose_directory
 from backend.catalogue import AdapterCatalogue
-from backend.config import EngineConfig
+from backend.config import EngineConfig, check_decode_form
 from backend.cuda_graphs import DecodeGraphs
 from backend.detokenize import IncrementalDecoder, load_tokenizer
 from backend.devices import default_load_processes, resolve_device, resolve_kernels
@@ -91,6 +91,7 @@ class Engine:
         cfg = self.model_config
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.use_kernels = resolve_kernels(config.kernels, self.device)
+        check_decode_form(config.decode_lora_kernels, self.device)
         self.max_len = config.max_model_len or cfg.max_position_embeddings
         self.tokenizer = load_tokenizer(config.model_dir)
         self.eos_ids = eos_token_ids(config.model_dir, cfg)
@@ -134,14 +135,14 @@ class Engine:
                                    config.max_loras, config.admit_every_steps, config.async_adapter_uploads)
         self.steps = StepBuilder(cfg, self.kv, self.adapters, self.device, self.use_kernels,
                                  paged_prefill=config.prefill_attention == "paged",
-                                 segmented_decode=config.decode_lora_kernels == "sgmv")
+                                 decode_form=config.decode_lora_kernels)
         # MoE: decode graphs (the fused expert kernels have static shapes), eager warm-up not written yet; tensor
         # parallelism: neither yet (every rank would have to capture and warm up in step)
         dense = not cfg.is_moe and self.tp is None
         if config.warmup and self.use_kernels and self.device.startswith("cuda") and dense:
             warm_up(self.model, self.kv, config.max_lora_rank, config.max_num_batched_tokens, config.max_num_seqs,
                     max_len=self.max_len, paged_prefill=config.prefill_attention == "paged",
-                    segmented_decode=config.decode_lora_kernels == "sgmv")
+                    decode_form=config.decode_lora_kernels)
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graphs and self.use_kernels and self.device.startswith("cuda") and self.tp is None:
             self._capture_graphs()
@@ -201,7 +202,7 @@ class Engine:
         max_blocks = self.kv.pages_needed(self.max_len)
         self.graphs = DecodeGraphs(self.model, self.kv, scratch, self.config.max_num_seqs, max_blocks,
                                    self.config.max_loras, self.config.max_lora_rank,
-                                   segmented_lora=self.config.decode_lora_kernels == "sgmv")
+                                   decode_form=self.config.decode_lora_kernels)
         try:
             self.graphs.capture_all()
         except Exception:

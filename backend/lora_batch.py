@@ -20,10 +20,12 @@ import torch
 
 from backend.adapter_packing import MODULE_INDEX, expert_slot
 from backend.adapter_pool import ResidentAdapter
+from backend.config import DECODE_FORMS
 from backend.model_config import PROJECTIONS
 
 # Tokens per step above which the segmented (SGMV) kernels beat one program per token.
 SEGMENTED_MIN_TOKENS = 64
+
 # The shrink outputs of a whole forward ([layers, 7 projections, T, max_rank] fp32) are zeroed by one memset when
 # they fit in this; larger steps (long prefills) zero each call's output instead.
 SHRINK_SCRATCH_MAX_BYTES = 64 << 20
@@ -68,13 +70,19 @@ def moe_lora_expressible(ranks: torch.Tensor, scalings: torch.Tensor) -> bool:
     return not (bool(((r13 != r2) & used).any()) or bool(((s13 != s2) & used).any()))
 
 
+def _check_form(decode_form: str) -> None:
+    if decode_form not in DECODE_FORMS:
+        raise ValueError(f"decode_form must be one of {DECODE_FORMS}, got {decode_form!r}")
+
+
 class LoraBatch:
     """Which adapter slot serves each token of a step (-1: none), and the slots' tables."""
 
     def __init__(self, token_slots: list[int], adapters: list[ResidentAdapter], pool: torch.Tensor, device: str,
-                 use_kernels: bool = False, segmented: bool = False) -> None:
-        """segmented: the kernel path groups tokens by adapter (SGMV) at any step size; otherwise steps of fewer
-        than SEGMENTED_MIN_TOKENS tokens take one program per token (BGMV)."""
+                 use_kernels: bool = False, decode_form: str = "bgmv") -> None:
+        """decode_form (one of DECODE_FORMS): the kernel path's LoRA kernels for a step of fewer than
+        SEGMENTED_MIN_TOKENS tokens; larger steps take the segmented (SGMV) kernels for both halves."""
+        _check_form(decode_form)
         self.adapters = adapters
         self.pool = pool
         self.use_kernels = use_kernels
@@ -91,10 +99,12 @@ class LoraBatch:
         # (valid for every forward of this batch: its token slots, segments and pool do not change)
         self._device_segments = False
         self._graph_experts = False
+        small = len(token_slots) < SEGMENTED_MIN_TOKENS
+        self._bgmv_shrink = small and decode_form == "hybrid"
         self._expert_ranks_host = self.ranks[:, len(PROJECTIONS):].cpu() if self._has_expert_slots() else None
         self._expert_scalings_host = self.scalings[:, len(PROJECTIONS):].cpu() if self._has_expert_slots() else None
         if use_kernels:
-            if segmented or len(token_slots) >= SEGMENTED_MIN_TOKENS:
+            if decode_form != "bgmv" or not small:
                 from kernels.lora_meta import build_segments
 
                 self.segments = build_segments(torch.tensor(token_slots, dtype=torch.int32), device=device)
@@ -107,13 +117,14 @@ class LoraBatch:
     @classmethod
     def from_tables(cls, token_slots: torch.Tensor, row_offsets: torch.Tensor, ranks: torch.Tensor,
                     scalings: torch.Tensor, pool: torch.Tensor, graph_experts: bool = False,
-                    segmented: bool = False) -> LoraBatch:
+                    decode_form: str = "bgmv") -> LoraBatch:
         """A kernel-path batch over preallocated tables (CUDA-graph replay fills them in place). graph_experts: the
         tables hold MoE expert slots too, and every layer's experts take the fused MoE-LoRA kernel whatever the
         tables hold at replay (``has_expert_lora`` is True, ``moe_lora`` checks nothing on the host): the caller
-        admits only adapters ``moe_lora_expressible`` accepts. segmented: the LoRA kernels group tokens by slot, in
-        tables that each forward builds on the device from token_slots (``build_segments_on_device``), so that a
-        replay regroups whatever slots the tables hold."""
+        admits only adapters ``moe_lora_expressible`` accepts. decode_form "sgmv" or "hybrid": the LoRA kernels (both,
+        or the expand only) group tokens by slot, in tables that each forward builds on the device from token_slots
+        (``build_segments_on_device``), so that a replay regroups whatever slots the tables hold."""
+        _check_form(decode_form)
         batch = cls.__new__(cls)
         batch.adapters = []
         batch.pool = pool
@@ -125,7 +136,8 @@ class LoraBatch:
         batch._shrink_scratch = None
         batch._moe_cache = None
         batch._launches = {}
-        batch._device_segments = segmented
+        batch._device_segments = decode_form != "bgmv"
+        batch._bgmv_shrink = decode_form == "hybrid"
         batch._graph_experts = graph_experts
         batch._expert_ranks_host = batch._expert_scalings_host = None
         return batch
@@ -253,8 +265,9 @@ class LoraBatch:
         key = ("shrink", first, n, tuple(x.shape), x.dtype, scratch is not None)
         launch = self._launches.get(key)
         if launch is None:
+            segments = None if self._bgmv_shrink else self.segments
             launch = self._launches[key] = prepare_shrink(x, self.pool, tables, ranks, self.token_slots, y,
-                                                          segments=self.segments, out_is_zero=scratch is not None)
+                                                          segments=segments, out_is_zero=scratch is not None)
         with torch.cuda.stream(side) if side is not None else nullcontext():
             launch.launch(x, self.pool, tables, ranks, self.token_slots, y)
         return PendingShrink(y, layer, mods, side)

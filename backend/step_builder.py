@@ -42,7 +42,7 @@ class StepBuilder:
     """Turns a plan into a StepBatch (eager forward) or DecodeInputs (graph replay)."""
 
     def __init__(self, cfg: ModelConfig, kv: PagedKVCache, adapters: AdapterManager, device: str,
-                 use_kernels: bool, paged_prefill: bool = False, segmented_decode: bool = False) -> None:
+                 use_kernels: bool, paged_prefill: bool = False, decode_form: str = "bgmv") -> None:
         self.cfg = cfg
         self.kv = kv
         self.pool = kv.pool
@@ -50,7 +50,7 @@ class StepBuilder:
         self.device = device
         self.use_kernels = use_kernels
         self.paged_prefill = paged_prefill and use_kernels  # prefill chunks through the paged kernel
-        self.segmented_decode = segmented_decode  # small steps' LoRA through the segmented kernels too
+        self.decode_form = decode_form  # small steps' LoRA kernels (backend/config.py DECODE_FORMS)
 
     def lora_batch(self, plan: list[ScheduledChunk]) -> LoraBatch | None:
         specs = distinct_specs(plan)
@@ -62,7 +62,7 @@ class StepBuilder:
         for c in plan:
             token_slots += [slot_of[c.sequence.adapter_key] if c.sequence.spec else -1] * c.num_tokens
         return LoraBatch(token_slots, resident, self.pool.storage, self.device, use_kernels=self.use_kernels,
-                         segmented=self.segmented_decode)
+                         decode_form=self.decode_form)
 
     def gather(self, plan: list[ScheduledChunk]) -> StepLists:
         """Token ids, positions and KV slots of the step, and each sequence's pages."""

@@ -54,10 +54,10 @@ def synthetic_adapter(pool: UnifiedPool, rank: int, max_rank: int, scaling: floa
 @torch.inference_mode()
 def warm_up(model: LlamaModel, kv: PagedKVCache, max_rank: int, max_tokens: int, max_seqs: int,
             sizes: list[int] | None = None, max_len: int | None = None, paged_prefill: bool = False,
-            segmented_decode: bool = False) -> float:
+            decode_form: str = "bgmv") -> float:
     """Run the kernel path over step sizes; returns seconds spent. Leaves the pool as it found it.
-    segmented_decode: steps under SEGMENTED_MIN_TOKENS take the segmented LoRA kernels (as the engine's
-    ``decode_lora_kernels="sgmv"`` makes them), so those variants are the ones compiled.
+    decode_form: the LoRA kernels of steps under SEGMENTED_MIN_TOKENS (the engine's ``decode_lora_kernels``), so
+    that the variants compiled are the ones it launches.
 
     A prefill step of t tokens is one sequence, or several when t exceeds ``max_len`` (the
     context: positions past it have no rotary table rows), as the scheduler would batch them.
@@ -79,7 +79,7 @@ def warm_up(model: LlamaModel, kv: PagedKVCache, max_rank: int, max_tokens: int,
             # prefill: t tokens in sequences of at most seq_cap (segmented kernels from 64 tokens up)
             model.forward(_prefill_batch(kv, owner, t, seq_cap, device, paged_prefill), kv,
                           LoraBatch([0] * t, [resident], pool.storage, device, use_kernels=True,
-                                    segmented=segmented_decode))
+                                    decode_form=decode_form))
             pool.pages.free(owner)
             if t == SEGMENTED_MIN_TOKENS:
                 # segmented kernels over short segments (their smaller row blocks): sequences of 16
@@ -104,7 +104,7 @@ def warm_up(model: LlamaModel, kv: PagedKVCache, max_rank: int, max_tokens: int,
                                                 all_rows=True))
             slots_t = [0 if i % 2 == 0 else -1 for i in range(t)]
             model.forward(batch, kv, LoraBatch(slots_t, [resident], pool.storage, device, use_kernels=True,
-                                               segmented=segmented_decode))
+                                               decode_form=decode_form))
             pool.pages.free(owner)
         if device.startswith("cuda"):
             torch.cuda.synchronize()

@@ -24,6 +24,7 @@ import torch
 from backend.adapter import AdapterSpec
 from backend.adapter_packing import PackedAdapter, _layout
 from backend.adapter_pool import AdapterPool
+from backend.config import DECODE_FORMS
 from backend.cuda_graphs import DecodeGraphs, DecodeInputs
 from backend.kv_cache import PagedKVCache
 from backend.model_config import PROJECTIONS, ModelConfig
@@ -148,9 +149,10 @@ def main() -> None:
                     help="residual add + RMSNorm as the engine's kernel path runs it (fused), or as torch ops")
     ap.add_argument("--silu-mul", choices=["fused", "torch"], default="fused",
                     help="the MLP's silu(gate) * up as the engine's kernel path runs it (fused), or as torch ops")
-    ap.add_argument("--decode-lora-kernels", choices=["bgmv", "sgmv"], default="bgmv",
-                    help="the LoRA kernels of the captured step (EngineConfig.decode_lora_kernels): one program per "
-                         "token, or tokens grouped by adapter on the device")
+    ap.add_argument("--decode-lora-kernels", default="bgmv",
+                    help="the LoRA kernels of the captured step (EngineConfig.decode_lora_kernels): bgmv (one program "
+                         "per token), sgmv (tokens grouped by adapter on the device) or hybrid (BGMV shrink, SGMV "
+                         "expand); comma-separated: each in turn, on the same model, pool and batch")
     ap.add_argument("--profile", action="store_true",
                     help="also print the step's kernels by GPU time (torch.profiler over 5 replays per adapter count)")
     ap.add_argument("--out", default=os.environ.get("OUT", "perf/results"))
@@ -178,16 +180,9 @@ def main() -> None:
     resident = [adapters.upload(random_adapter(f"a{i}", cfg, args.rank, pool, args.rank)) for i in range(max(counts))]
     tables = [pool.pages.allocate(("seq", b), blocks) for b in range(args.batch)]
     scratch = pool.pages.allocate("scratch", 1)[0]
-    graphs = DecodeGraphs(model, kv, scratch, args.batch, blocks, max(max(counts), 1), args.rank,
-                          segmented_lora=args.decode_lora_kernels == "sgmv")
-    print(f"LoRA kernels of the decode step: {args.decode_lora_kernels}")
-    graphs.buckets = [args.batch]
-    t0 = time.perf_counter()
-    graphs._reset_padding(args.batch)
-    graphs._capture(args.batch, True)
-    graphs._capture(args.batch, False)
-    capture_s = time.perf_counter() - t0
-
+    forms = args.decode_lora_kernels.split(",")
+    if not set(forms) <= set(DECODE_FORMS):
+        ap.error(f"--decode-lora-kernels: some of {', '.join(DECODE_FORMS)}, not {args.decode_lora_kernels}")
     page = args.page_size
     positions = torch.full((args.batch,), args.context, dtype=torch.int64)
     slots = torch.tensor([t[args.context // page] * page + args.context % page for t in tables])
@@ -197,32 +192,49 @@ def main() -> None:
     adapter_bytes = args.rank * sum(sum(cfg.projection_shape(m)) for m in PROJECTIONS) * cfg.num_layers * elem
     kv_bytes = args.batch * (args.context + 1) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
     rows = []
-    for n in counts:
-        inputs = DecodeInputs(
-            ids,
-            positions,
-            slots,
-            tables,
-            [args.context + 1] * args.batch,
-            [b % n for b in range(args.batch)] if n else [-1] * args.batch,
-            resident[:n],
-        )
-        step_ms = time_ms(lambda inputs=inputs: graphs.run(inputs), args.iters)
-        if args.profile:
-            try:
-                profile_kernels(lambda inputs=inputs: graphs.run(inputs), f"{n} adapters", Path(args.out))
-            except Exception as exc:  # a profiler that cannot see graph kernels must not cost the timing rows
-                print(f"profile of {n} adapters failed: {exc!r}", flush=True)
-        floor_ms = (base_bytes + n * adapter_bytes + kv_bytes) / bandwidth * 1e3
-        rows.append(
-            {
-                "adapters": n,
-                "step_ms": round(step_ms, 3),
-                "floor_ms": round(floor_ms, 3),
-                "step_over_floor": round(step_ms / floor_ms, 3),
-                "tokens_per_s": round(args.batch / step_ms * 1e3, 1),
-            }
-        )
+    capture_s = {}
+    for form in forms:
+        graphs = DecodeGraphs(model, kv, scratch, args.batch, blocks, max(max(counts), 1), args.rank,
+                              decode_form=form)
+        print(f"LoRA kernels of the decode step: {form}", flush=True)
+        graphs.buckets = [args.batch]
+        t0 = time.perf_counter()
+        graphs._reset_padding(args.batch)
+        graphs._capture(args.batch, True)
+        graphs._capture(args.batch, False)
+        capture_s[form] = round(time.perf_counter() - t0, 1)
+        for n in counts:
+            inputs = DecodeInputs(
+                ids,
+                positions,
+                slots,
+                tables,
+                [args.context + 1] * args.batch,
+                [b % n for b in range(args.batch)] if n else [-1] * args.batch,
+                resident[:n],
+            )
+            step_ms = time_ms(lambda inputs=inputs, graphs=graphs: graphs.run(inputs), args.iters)
+            if args.profile:
+                try:
+                    profile_kernels(lambda inputs=inputs, graphs=graphs: graphs.run(inputs), f"{form}, {n} adapters",
+                                    Path(args.out))
+                except Exception as exc:  # a profiler that cannot see graph kernels must not cost the timing rows
+                    print(f"profile of {n} adapters failed: {exc!r}", flush=True)
+            floor_ms = (base_bytes + n * adapter_bytes + kv_bytes) / bandwidth * 1e3
+            rows.append(
+                {
+                    "lora_kernels": form,
+                    "adapters": n,
+                    "step_ms": round(step_ms, 3),
+                    "floor_ms": round(floor_ms, 3),
+                    "step_over_floor": round(step_ms / floor_ms, 3),
+                    "tokens_per_s": round(args.batch / step_ms * 1e3, 1),
+                }
+            )
+        del graphs
+        torch.cuda.empty_cache()
+    graphs = DecodeGraphs(model, kv, scratch, args.batch, blocks, max(max(counts), 1), args.rank)
+    graphs._reset_padding(args.batch)
     eager_base = time_ms(lambda: model.forward(graphs._batch(args.batch), kv, None), 10)
 
     result = {
@@ -237,7 +249,7 @@ def main() -> None:
         "base_weight_GB": round(base_bytes / 1e9, 3),
         "adapter_MB": round(adapter_bytes / 1e6, 2),
         "kv_GB": round(kv_bytes / 1e9, 3),
-        "graph_capture_s": round(capture_s, 1),
+        "graph_capture_s": capture_s,
         "eager_base_step_ms": round(eager_base, 3),
         "rows": rows,
         "command": "python perf/bench_decode_step.py "
@@ -246,13 +258,14 @@ def main() -> None:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "decode_step.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
-    print(f"{'adapters':>8} {'step ms':>8} {'floor ms':>9} {'x floor':>8} {'tok/s':>9} {'vs base':>8}")
-    base_ms = rows[0]["step_ms"] if counts[0] == 0 else None
+    print(f"{'adapters':>8} {'step ms':>8} {'floor ms':>9} {'x floor':>8} {'tok/s':>9} {'vs base':>8}  LoRA kernels")
+    base_ms = {r["lora_kernels"]: r["step_ms"] for r in rows if r["adapters"] == 0}
     for r in rows:
-        rel = f"{r['step_ms'] / base_ms:8.2f}" if base_ms else ""
+        base = base_ms.get(r["lora_kernels"])
+        rel = f"{r['step_ms'] / base:8.2f}" if base else " " * 8
         print(
             f"{r['adapters']:>8} {r['step_ms']:>8.3f} {r['floor_ms']:>9.3f} {r['step_over_floor']:>8.2f} "
-            f"{r['tokens_per_s']:>9.1f} {rel}"
+            f"{r['tokens_per_s']:>9.1f} {rel}  {r['lora_kernels']}"
         )
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from backend.config import DECODE_FORMS
 from perf.checkpoint import SHAPES, write_adapter_catalogue, write_base
 from perf.plots import throughput_vs_adapters, ttft_cdf
 from perf.report import SLO_TTFT_S, Summary, markdown_table
@@ -354,7 +355,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[HeadlineConfig, Path]:
     p.add_argument("--admit-every-steps", type=int)
     p.add_argument("--adapter-load-processes", type=int)
     p.add_argument("--prefill-attention", choices=["sdpa", "paged"])
-    p.add_argument("--decode-lora-kernels", choices=["bgmv", "sgmv"])
+    p.add_argument("--decode-lora-kernels", choices=list(DECODE_FORMS))
     p.add_argument("--slo", type=float, dest="slo_s")
     p.add_argument("--seed", type=int)
     p.add_argument("--skip-peft", action="store_true", default=None)

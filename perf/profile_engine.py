@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from backend.config import DECODE_FORMS
 from perf.checkpoint import SHAPES, write_adapter_catalogue, write_base
 from perf.runner import run_target
 from perf.workload import WorkloadConfig, adapter_name, base_only, generate_trace
@@ -298,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--admit-every-steps", type=int, default=1)
     p.add_argument("--prefill-attention", choices=["sdpa", "paged"], default="sdpa")
-    p.add_argument("--decode-lora-kernels", choices=["bgmv", "sgmv"], default="bgmv")
+    p.add_argument("--decode-lora-kernels", choices=list(DECODE_FORMS), default="bgmv")
     p.add_argument("--adapter-load-processes", type=int, default=None,
                    help="EngineConfig.adapter_load_processes (default: the engine's, by device)")
     p.add_argument("--trace-steps", type=int, default=0,

