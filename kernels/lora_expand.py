@@ -59,10 +59,12 @@ def _add_scaled(ptrs, mask, scaling, acc):
 def bgmv_expand_tile(
     y_row, stride_yr, b_offs_row, stride_br, pool_ptr, out_row, stride_on, rank, scaling, n_start, n_size, pid_n,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ROW_ALIGN: tl.constexpr, ROUND_Y: tl.constexpr = False,
+    VECTOR: tl.constexpr = True,
 ):  # fmt: skip
     """One token's columns [pid_n * BLOCK_N, +BLOCK_N) of one slice: out_row[n_start + n] += scaling * y . B^T[:, n]
     (y [rank] fp32 at y_row, rank row k's pool offset at b_offs_row[k]; ROUND_Y: y rounded to the pool dtype
-    first). Shared with the MoE-LoRA pair kernel (kernels/moe_lora_pairs.py)."""
+    first; VECTOR: B rows through ``load_b_rows``'s aligned path, else plain loads). Shared with the MoE-LoRA pair
+    kernel (kernels/moe_lora_pairs.py)."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_size
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -71,7 +73,11 @@ def bgmv_expand_tile(
         r_mask = offs_r < rank
         y = tl.load(y_row + offs_r * stride_yr, mask=r_mask, other=0.0)
         row_offs = tl.load(b_offs_row + offs_r * stride_br, mask=r_mask, other=0).to(tl.int64)
-        b = load_b_rows(pool_ptr, row_offs, offs_n, r_mask, n_mask, ROW_ALIGN)
+        if VECTOR:
+            b = load_b_rows(pool_ptr, row_offs, offs_n, r_mask, n_mask, ROW_ALIGN)
+        else:
+            b = tl.load(pool_ptr + row_offs[:, None] + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :],
+                        other=0.0)
         if ROUND_Y:
             y = y.to(b.dtype)
         acc += tl.sum(y.to(tl.float32)[:, None] * b.to(tl.float32), axis=0)
@@ -109,6 +115,7 @@ def _lora_expand_bgmv_kernel(
     BLOCK_N: tl.constexpr,
     ROW_ALIGN: tl.constexpr,  # elements in 16 bytes of the pool dtype
     COL_ALIGN: tl.constexpr,  # elements in 16 bytes of the pool or output dtype, the more
+    VECTOR: tl.constexpr,  # the 16-byte paths (BGMV_EXPAND_VECTOR)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -130,9 +137,12 @@ def _lora_expand_bgmv_kernel(
     y_row = y_ptr + slice_id * stride_ys + token * stride_ym
     b_offs_row = b_row_offsets_ptr + slice_id * stride_bs + slot * stride_bslot
     out_row = out_ptr + token * stride_om
+    if not VECTOR:
+        bgmv_expand_tile(y_row, stride_yr, b_offs_row, stride_br, pool_ptr, out_row, stride_on, rank, scaling,
+                         n_start, n_size, pid_n, BLOCK_R, BLOCK_N, ROW_ALIGN, False, False)  # fmt: skip
     # a slice that starts and ends on 16 bytes (q/k/v and gate/up do) takes the same path with that promised:
     # (v // A) * A == v there, and lets the compiler use vector loads and stores
-    if (n_start % COL_ALIGN == 0) & (n_size % COL_ALIGN == 0):
+    elif (n_start % COL_ALIGN == 0) & (n_size % COL_ALIGN == 0):
         bgmv_expand_tile(y_row, stride_yr, b_offs_row, stride_br, pool_ptr, out_row, stride_on, rank, scaling,
                    (n_start // COL_ALIGN) * COL_ALIGN, (n_size // COL_ALIGN) * COL_ALIGN, pid_n,
                    BLOCK_R, BLOCK_N, ROW_ALIGN)  # fmt: skip
@@ -232,6 +242,14 @@ def _lora_expand_sgmv_kernel(
         _sgmv_tile(y_rows, stride_yr, m_mask, b_offs_row, stride_br, pool_ptr, out_rows, stride_on, rank, scaling,
                    n_start, n_size, pid_n, BLOCK_M, BLOCK_R, BLOCK_N, DOT_PRECISION, ROW_ALIGN)  # fmt: skip
 
+
+# The BGMV expand's 16-byte paths (aligned B rows and slice columns): off. On the H200 (2026-12-01,
+# perf/results/2026-12-01-h200/2_forms: perf/bench_kernels.py --quick, this tree and a094d92 in one command, T = 64,
+# rank 16) they made the kernel ~3x slower than a094d92's plain loads (gate/up 74 us against 21 at 8 adapters, q/k/v
+# 21 against 7.6, o and down 14 against 5). With them off (3_expand/) the kernel is back at its old times and the
+# decode step takes 9.0 ms at 8 adapters against a094d92's 10.0 in one command. The BGMV shrink's 16-byte paths
+# measured 2.0-2.7x faster there and stay; the SGMV expand's were not timed against plain loads and stay too.
+BGMV_EXPAND_VECTOR = False
 
 _BOUNDS_CACHE: dict[tuple, torch.Tensor] = {}
 
@@ -418,7 +436,7 @@ def prepare_expand(
              "COL_ALIGN": 16 // min(pool.element_size(), base_out.element_size())}
     if segments is None:
         cfg = dict(config or expand_config(num_tokens, max_out, max_rank, segmented=False, num_slices=num_slices))
-        meta = {**cfg, **align}
+        meta = {**cfg, **align, "VECTOR": BGMV_EXPAND_VECTOR}
         return ExpandLaunch((num_tokens, cdiv(max_out, cfg["BLOCK_N"]), num_slices), meta, bounds, single,
                             relaunch=relauncher(_lora_expand_bgmv_kernel, **meta))
     check_segments(segments, num_tokens, device)

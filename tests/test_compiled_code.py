@@ -59,7 +59,14 @@ def test_every_kernel_that_streams_memory_was_compiled(compiled):
 
 
 def test_kernels_read_global_memory_16_bytes_at_a_time(compiled):
+    """Every kernel but the BGMV expand tiles (the dense kernel's and the MoE-LoRA pair kernel's), whose 16-byte paths
+    are off (kernels/lora_expand.py BGMV_EXPAND_VECTOR: they measured ~3x slower on the H200); those must then compile
+    to the plain loads, not gain or lose them by accident."""
+    plain = {"_lora_expand_bgmv_kernel", "_moe_lora_expand_pairs_kernel"}
     for report in compiled:
+        if report["name"] in plain and not report["constexprs"].get("VECTOR", True):
+            assert _widest_read(report) < 128, (report["name"], report["constexprs"], report["loads"])
+            continue
         assert _widest_read(report) == 128, (report["name"], report["constexprs"], report["loads"])
 
 
