@@ -41,7 +41,10 @@ def test_grpc_stream_generate_stream_and_generate_agree(server, client, adapter)
         assert whole, prompt
         assert "".join(pieces) == whole, (prompt, pieces, whole)
         assert "".join(e["text_output"] for e in events) == whole, (prompt, events)
-        assert all("\ufffd" not in piece for piece in pieces[:-1]), pieces  # no character split between chunks
+        # no character split between chunks: a split one decodes as U+FFFD in the chunk that ends inside it and is lost
+        # from the next (whose context decodes the same way), so the joined text would differ from the whole. A U+FFFD
+        # in a chunk is no split when the whole text has it too: a briefly trained base may emit bytes that are no
+        # UTF-8 at all (seen: a lone lead byte, then " th"); the equality above then holds with it in both.
         non_ascii += any(ord(ch) > 127 for ch in whole)
         chunked += len(pieces) > 1
     assert chunked, "every request came back in a single chunk: not streamed"
