@@ -21,7 +21,7 @@ if [ "${USE_ENV_SH:-1}" = 1 ]; then source perf/h200/env.sh; SERVE_PY=python; el
 start_server "$OUT/server.log" "$HTTP_PORT" ${EXTRA_PARAMS:-}
 wait_ready "$HTTP_PORT" 300
 echo "server ready after ${READY_S}s"
-for frac in 0.5 0.9; do
+for frac in ${FRACTIONS-0.5 0.9}; do  # FRACTIONS= (empty): perf_analyzer only
   rate=$("$PYTHON" -c "print(round($SAT * $frac, 2))")
   "$PYTHON" -m perf.workload --adapters 100 --alpha 1 --rate "$rate" --cv 1 --duration "$DURATION" \
     --input-range "$IN_LO" "$IN_HI" --output-range "$OUT_LO" "$OUT_HI" --vocab-range 4 "$VOCAB" \

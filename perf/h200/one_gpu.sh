@@ -1,0 +1,205 @@
+#!/usr/bin/env bash
+# The H200 calls of a session lent one GPU (nvidia-h200): each part is one device call of under 10 minutes,
+# run serially on GPU 0, writing one log folder tarred into $OUT and printing a short table last.
+# From the repository root, with .gpu (server parts) and the baseline tree BASE (default .baseline_s9, e.g.
+# `git archive a094d92 backend kernels perf tests/kernels | tar -x -C .baseline_s9`) carried:
+#   bash perf/h200/one_gpu.sh kernels $OUT   # compiled kernel + engine tests; decode step of this tree (bgmv and
+#                                            # sgmv in one process) and of BASE; kernel benchmark of this tree
+#                                            # (bgmv, sgmv-device)                                         ~9 min
+#   bash perf/h200/one_gpu.sh forms $OUT     # the decode-step LoRA forms bgmv / sgmv / hybrid: compiled tests,
+#                                            # decode step of each, the headline with the fastest, kernel A/B ~9 min
+#   bash perf/h200/one_gpu.sh expand $OUT    # BGMV expand without its 16-byte paths: compiled tests, decode step
+#                                            # A/B against BASE, kernel benchmark, the headline          ~9 min
+#   bash perf/h200/one_gpu.sh headline $OUT  # the headline (base-only, n = 5, 100, 1000, 2000), then the
+#                                            # engine thread's profile at n = 5 and n = 2000               ~9 min
+#   bash perf/h200/one_gpu.sh server $OUT    # tritonserver: TTFT at 50/90% of SATURATION, perf_analyzer at
+#                                            # concurrency 16 and request rates PA_RATES                    ~8 min
+# DECODE_LORA (bgmv|sgmv) and PREFILL (sdpa|paged) pick the engine's kernels in the headline part.
+set -u
+PART=${1:?part: kernels, forms, expand, headline or server}
+OUT=${2:-/tmp/h200}
+ROOT=$PWD
+BASE=${BASE:-$ROOT/.baseline_s9}
+W=/tmp/one_$PART
+mkdir -p "$OUT" "$W"
+export PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=0
+T0=$(date +%s)
+stamp() { echo "$1 rc=$2 at $(($(date +%s) - T0)) s" >> "$W/times.txt"; }
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv > "$W/gpu.txt" 2>&1
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' >> "$W/gpu.txt" 2>&1
+
+case "$PART" in
+kernels)
+  PYTHONPATH=$ROOT TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -p no:cacheprovider \
+    tests/kernels/test_lora_kernels.py tests/kernels/test_engine_kernels.py > "$W/gpu_tests.txt" 2>&1
+  stamp "compiled tests" $?
+  PYTHONPATH=$ROOT timeout 130 python3 -m perf.bench_decode_step --decode-lora-kernels bgmv,sgmv \
+    --out "$W/step_new" > "$W/step_new.txt" 2>&1
+  stamp "decode step new (bgmv, sgmv)" $?
+  (cd "$BASE" && PYTHONPATH=$BASE timeout 80 python3 -m perf.bench_decode_step --out "$W/step_base") \
+    > "$W/step_base.txt" 2>&1
+  stamp "decode step baseline" $?
+  left=$((570 - ($(date +%s) - T0)))
+  PYTHONPATH=$ROOT timeout $((left > 30 ? left : 30)) python3 perf/bench_kernels.py --quick \
+    --forms bgmv,sgmv-device --rep-ms 5 --out "$W/kernels_new.jsonl" > "$W/kernels_new.txt" 2>&1
+  stamp "bench_kernels new" $?
+  {
+    cat "$W/gpu.txt" "$W/times.txt"
+    echo "== compiled tests"; grep -E "passed|failed|error" "$W/gpu_tests.txt" | tail -n 4
+    for s in new base; do echo "== decode step $s"; grep -E "^ *[0-9]+ +[0-9.]+ |^LoRA kernels|copy" "$W/step_$s.txt"; done
+    echo "== LoRA kernels at decode sizes (T <= 64): us, x floor, vs bmm"
+    python3 - "$W/kernels_new.jsonl" <<'EOF'
+import json, sys
+try:
+    recs = [json.loads(line) for line in open(sys.argv[1])]
+except OSError:
+    sys.exit("no kernel results")
+for r in recs:
+    if r.get("kind") == "lora" and r["tokens"] <= 64 and r["tokens"] >= 16:
+        print("%-8s %-6s %-11s T=%3d d=%2d %8.2f us %5.2fx floor %5.1fx bmm" % (
+            r["module"], r["op"], r["form"], r["tokens"], r["distinct"], r["us"], r["x_floor"],
+            r.get("speedup_vs_bmm") or 0))
+EOF
+  } > "$OUT/kernels.txt" 2>&1
+  ;;
+forms)
+  # the decode-step LoRA forms: compiled tests of the segmented ones (the gate), the decode step of each form in one
+  # process, the headline with the fastest form whose tests passed, and the kernel benchmark of this tree and BASE
+  PYTHONPATH=$ROOT TRITON_INTERPRET=0 timeout 120 python3 -m pytest -q -p no:cacheprovider \
+    tests/kernels/test_engine_kernels.py tests/kernels/test_lora_kernels.py \
+    -k "sgmv or hybrid or device_segments or warm_up or no_host_data" > "$W/gpu_tests.txt" 2>&1
+  stamp "compiled tests" $?
+  PYTHONPATH=$ROOT timeout 150 python3 -m perf.bench_decode_step --decode-lora-kernels bgmv,sgmv,hybrid \
+    --out "$W/step" > "$W/step.txt" 2>&1
+  stamp "decode step bgmv, sgmv, hybrid" $?
+  FORM=$(python3 - "$W" <<'EOF2'
+import json, re, sys
+w = sys.argv[1]
+tests = open(f"{w}/gpu_tests.txt").read()
+failed = set(re.findall(r"FAILED \S*(sgmv|hybrid)", tests))
+try:
+    rows = json.load(open(f"{w}/step/decode_step.json"))["rows"]
+except (OSError, ValueError, KeyError):
+    print("bgmv"); sys.exit()
+mean = {}
+for r in rows:
+    if r["adapters"] > 0:
+        mean.setdefault(r["lora_kernels"], []).append(r["step_ms"])
+ok = {f: sum(v) / len(v) for f, v in mean.items() if f not in failed and ("passed" in tests or f == "bgmv")}
+print(min(ok, key=ok.get) if ok else "bgmv")
+EOF2
+)
+  echo "headline form: $FORM" >> "$W/times.txt"
+  mkdir -p "$W/work"
+  left=$((520 - ($(date +%s) - T0)))
+  PYTHONPATH=$ROOT timeout $((left > 60 ? left : 60)) python3 -m perf.headline --shape llama3-8b --out "$W/headline" \
+    --workdir "$W/work" --adapters 5 100 1000 2000 --rate 24 --duration 12 --drain 15 --skip-peft \
+    --max-num-seqs 128 --admit-every-steps 4 --decode-lora-kernels "$FORM" > "$W/headline.txt" 2>&1
+  stamp "headline ($FORM)" $?
+  rm -rf "$W/work"
+  PYTHONPATH=$ROOT timeout 30 python3 perf/bench_kernels.py --quick --forms bgmv,sgmv-device --rep-ms 5 \
+    --out "$W/kernels_new.jsonl" > "$W/kernels_new.txt" 2>&1
+  stamp "bench_kernels new" $?
+  (cd "$BASE" && PYTHONPATH=$BASE timeout 30 python3 perf/bench_kernels.py --quick --rep-ms 5 \
+    --out "$W/kernels_base.jsonl") > "$W/kernels_base.txt" 2>&1
+  stamp "bench_kernels baseline" $?
+  {
+    cat "$W/gpu.txt" "$W/times.txt"
+    echo "== compiled tests"; grep -E "passed|failed|FAILED|rror" "$W/gpu_tests.txt" | tail -n 6
+    echo "== decode step"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$W/step.txt" | cut -c1-200
+    echo "== headline"; grep -E "^\| engine|ratio" "$W/headline/summary.md" | head -20
+    echo "== LoRA kernels T=64: new bgmv / new sgmv-device / baseline bgmv, us"
+    python3 - "$W" <<'EOF2'
+import json, sys
+w, rows = sys.argv[1], {}
+for name in ("new", "base"):
+    try:
+        recs = [json.loads(line) for line in open(f"{w}/kernels_{name}.jsonl")]
+    except OSError:
+        continue
+    for r in recs:
+        if r.get("kind") == "lora" and r["tokens"] == 64:
+            rows.setdefault((r["module"], r["op"], r["distinct"]), {})[f"{name} {r['form']}"] = (r["us"], r["x_floor"])
+for key, v in sorted(rows.items()):
+    cols = [v.get(c) for c in ("new bgmv", "new sgmv-device", "base bgmv")]
+    print("%-8s %-6s d=%2d " % key + " ".join("%7.2f (%5.2fx)" % c if c else "      -        " for c in cols))
+EOF2
+  } > "$OUT/forms.txt" 2>&1
+  ;;
+expand)
+  # the BGMV expand with its 16-byte paths off (BGMV_EXPAND_VECTOR): compiled tests of the BGMV paths, the decode step
+  # of this tree and of BASE, the kernel benchmark, then the headline
+  PYTHONPATH=$ROOT TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -x -p no:cacheprovider \
+    tests/kernels/test_lora_kernels.py tests/kernels/test_engine_kernels.py -k "not sgmv and not hybrid" \
+    > "$W/gpu_tests.txt" 2>&1
+  stamp "compiled tests" $?
+  PYTHONPATH=$ROOT timeout 100 python3 -m perf.bench_decode_step --out "$W/step_new" > "$W/step_new.txt" 2>&1
+  stamp "decode step new" $?
+  (cd "$BASE" && PYTHONPATH=$BASE timeout 100 python3 -m perf.bench_decode_step --out "$W/step_base") \
+    > "$W/step_base.txt" 2>&1
+  stamp "decode step baseline" $?
+  PYTHONPATH=$ROOT timeout 40 python3 perf/bench_kernels.py --quick --rep-ms 5 --out "$W/kernels_new.jsonl" \
+    > "$W/kernels_new.txt" 2>&1
+  stamp "bench_kernels new" $?
+  mkdir -p "$W/work"
+  left=$((570 - ($(date +%s) - T0)))
+  PYTHONPATH=$ROOT timeout $((left > 60 ? left : 60)) python3 -m perf.headline --shape llama3-8b --out "$W/headline" \
+    --workdir "$W/work" --adapters 5 100 1000 2000 --rate 24 --duration 12 --drain 15 --skip-peft \
+    --max-num-seqs 128 --admit-every-steps 4 > "$W/headline.txt" 2>&1
+  stamp "headline" $?
+  rm -rf "$W/work"
+  {
+    cat "$W/gpu.txt" "$W/times.txt"
+    echo "== compiled tests"; grep -E "passed|failed|FAILED|rror" "$W/gpu_tests.txt" | tail -n 6
+    for t in new base; do echo "== decode step $t"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$W/step_$t.txt" \
+      | cut -c1-160; done
+    echo "== headline"; grep -E "^\| engine|ratio" "$W/headline/summary.md" | head -20
+    echo "== LoRA kernels, bgmv, T = 16 / 64: us (x floor) [vs bmm]"
+    python3 - "$W/kernels_new.jsonl" <<'EOF2'
+import json, sys
+for r in map(json.loads, open(sys.argv[1])):
+    if r.get("kind") == "lora" and r["tokens"] in (16, 64):
+        print("%-8s %-6s T=%2d d=%2d %7.2f (%5.2fx) [%4.1fx]" % (r["module"], r["op"], r["tokens"], r["distinct"],
+              r["us"], r["x_floor"], r.get("speedup_vs_bmm") or 0))
+EOF2
+  } > "$OUT/expand.txt" 2>&1
+  ;;
+headline)
+  mkdir -p "$W/work"
+  PYTHONPATH=$ROOT timeout 330 python3 -m perf.headline --shape llama3-8b --out "$W/headline" --workdir "$W/work" \
+    --adapters 5 100 1000 2000 --rate 24 --duration 12 --drain 15 --skip-peft --max-num-seqs 128 \
+    --admit-every-steps 4 --decode-lora-kernels "${DECODE_LORA:-bgmv}" --prefill-attention "${PREFILL:-sdpa}" \
+    > "$W/headline.txt" 2>&1
+  stamp "headline" $?
+  rm -rf "$W/work"
+  left=$((560 - ($(date +%s) - T0)))
+  PYTHONPATH=$ROOT timeout $((left > 30 ? left : 30)) python3 -m perf.profile_engine --shape llama3-8b \
+    --rate 24 --duration 12 --drain 15 --max-num-seqs 128 --admit-every-steps 4 --adapters 5 2000 \
+    --decode-lora-kernels "${DECODE_LORA:-bgmv}" --python-profile --out "$W/profile" > "$W/profile.txt" 2>&1
+  stamp "profile" $?
+  {
+    cat "$W/gpu.txt" "$W/times.txt"
+    echo "== headline"; grep -E "^\| engine|ratio|n=" "$W/headline/summary.md" | head -20
+    echo "== profile"; grep -E "^==|phase|graph:|eager:" "$W/profile.txt"
+  } > "$OUT/headline.txt" 2>&1
+  ;;
+server)
+  EXTRA_PARAMS=${EXTRA_PARAMS:-} PERF_ANALYZER=1 PA_RATES=${PA_RATES:-"2 4 6 8"} SATURATION=${SATURATION:-14} \
+    DURATION=${DURATION:-10} PA_MEASURE_MS=${PA_MEASURE_MS:-8000} timeout ${SERVER_TIMEOUT:-560} \
+    bash perf/h200/server_latency.sh "$W/server" > "$W/server_latency.txt" 2>&1
+  stamp "server latency + perf_analyzer" $?
+  cp "$W/server/perf_analyzer.txt" "$W/server/server.log" "$OUT/" 2>/dev/null
+  {
+    cat "$W/gpu.txt" "$W/times.txt"
+    grep -E "ready after|saturation \|" "$W/server_latency.txt" | sort -u
+    echo "== perf_analyzer"; grep -E "^== |Throughput|latency|failed|Request Rate|Concurrency" \
+      "$W/server/perf_analyzer.txt" | head -60
+  } > "$OUT/server.txt" 2>&1
+  ;;
+*)
+  echo "unknown part $PART" >&2
+  exit 2
+  ;;
+esac
+tar czf "$OUT/one_$PART.tgz" -C /tmp "one_$PART" 2>/dev/null
+cat "$OUT/$PART.txt"
