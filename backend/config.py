@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, fields
 # shrink (its K-split programs read a token's A rows in parallel) and the SGMV expand (a 16-row tile reads each
 # adapter's B rows once).
 DECODE_FORMS = ("bgmv", "sgmv", "hybrid")
+# set to 1: the segmented forms may run on CUDA (check_decode_form)
+EXPERIMENTAL_DECODE_FORMS = "MANYLORA_EXPERIMENTAL_DECODE_FORMS"
 
 
 @dataclass
@@ -124,9 +126,7 @@ class EngineConfig:
         if self.prefill_attention not in ("sdpa", "paged"):
             raise ValueError(
                 f"EngineConfig.prefill_attention must be 'sdpa' or 'paged', got {self.prefill_attention!r}")
-        if self.decode_lora_kernels not in DECODE_FORMS:
-            raise ValueError(f"EngineConfig.decode_lora_kernels must be one of {', '.join(DECODE_FORMS)}, got "
-                             f"{self.decode_lora_kernels!r}")
+        check_decode_form_name(self.decode_lora_kernels, "EngineConfig.decode_lora_kernels")
         if not 0.0 <= self.host_cache_fraction <= 1.0:
             raise ValueError(f"EngineConfig.host_cache_fraction must be in [0, 1], got {self.host_cache_fraction}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
@@ -145,17 +145,25 @@ class EngineConfig:
         return cls(**kwargs)  # type: ignore[arg-type]
 
 
+def check_decode_form_name(name: str, what: str = "decode_lora_kernels") -> None:
+    """Raise a ValueError naming ``what`` unless ``name`` is one of DECODE_FORMS."""
+    if name not in DECODE_FORMS:
+        raise ValueError(f"{what} must be one of {', '.join(DECODE_FORMS)}, got {name!r}")
+
+
+def experimental_decode_forms_allowed() -> bool:
+    """Whether MANYLORA_EXPERIMENTAL_DECODE_FORMS is set: the segmented decode forms may then run on CUDA."""
+    return _env_flag(EXPERIMENTAL_DECODE_FORMS)
+
+
 def check_decode_form(decode_lora_kernels: str, device: str) -> None:
     """Refuse the segmented decode forms on CUDA unless MANYLORA_EXPERIMENTAL_DECODE_FORMS=1: their compiled engine
     tests failed on the H200 (2026-12-01) and the run ended in an illegal memory access, which leaves the device
     unusable for the process; the cause is not found yet. On the CPU (Triton's interpreter) they equal PEFT."""
-    if device.startswith("cuda") and decode_lora_kernels != "bgmv" and not _env_flag(EXPERIMENTAL_DECODE_FORMS):
+    if device.startswith("cuda") and decode_lora_kernels != "bgmv" and not experimental_decode_forms_allowed():
         raise ValueError(f"decode_lora_kernels={decode_lora_kernels!r} is experimental on CUDA (an illegal memory "
                          f"access in its H200 engine tests, not yet fixed): use 'bgmv', or set "
                          f"{EXPERIMENTAL_DECODE_FORMS}=1 to run it anyway")
-
-
-EXPERIMENTAL_DECODE_FORMS = "MANYLORA_EXPERIMENTAL_DECODE_FORMS"
 
 
 def _env_flag(name: str) -> bool:

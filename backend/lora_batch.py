@@ -20,12 +20,11 @@ import torch
 
 from backend.adapter_packing import MODULE_INDEX, expert_slot
 from backend.adapter_pool import ResidentAdapter
-from backend.config import DECODE_FORMS
+from backend.config import check_decode_form_name
 from backend.model_config import PROJECTIONS
 
 # Tokens per step above which the segmented (SGMV) kernels beat one program per token.
 SEGMENTED_MIN_TOKENS = 64
-
 # The shrink outputs of a whole forward ([layers, 7 projections, T, max_rank] fp32) are zeroed by one memset when
 # they fit in this; larger steps (long prefills) zero each call's output instead.
 SHRINK_SCRATCH_MAX_BYTES = 64 << 20
@@ -70,19 +69,14 @@ def moe_lora_expressible(ranks: torch.Tensor, scalings: torch.Tensor) -> bool:
     return not (bool(((r13 != r2) & used).any()) or bool(((s13 != s2) & used).any()))
 
 
-def _check_form(decode_form: str) -> None:
-    if decode_form not in DECODE_FORMS:
-        raise ValueError(f"decode_form must be one of {DECODE_FORMS}, got {decode_form!r}")
-
-
 class LoraBatch:
     """Which adapter slot serves each token of a step (-1: none), and the slots' tables."""
 
     def __init__(self, token_slots: list[int], adapters: list[ResidentAdapter], pool: torch.Tensor, device: str,
                  use_kernels: bool = False, decode_form: str = "bgmv") -> None:
-        """decode_form (one of DECODE_FORMS): the kernel path's LoRA kernels for a step of fewer than
+        """decode_form (one of backend.config.DECODE_FORMS): the kernel path's LoRA kernels for a step of fewer than
         SEGMENTED_MIN_TOKENS tokens; larger steps take the segmented (SGMV) kernels for both halves."""
-        _check_form(decode_form)
+        check_decode_form_name(decode_form, "decode_form")
         self.adapters = adapters
         self.pool = pool
         self.use_kernels = use_kernels
@@ -124,7 +118,7 @@ class LoraBatch:
         admits only adapters ``moe_lora_expressible`` accepts. decode_form "sgmv" or "hybrid": the LoRA kernels (both,
         or the expand only) group tokens by slot, in tables that each forward builds on the device from token_slots
         (``build_segments_on_device``), so that a replay regroups whatever slots the tables hold."""
-        _check_form(decode_form)
+        check_decode_form_name(decode_form, "decode_form")
         batch = cls.__new__(cls)
         batch.adapters = []
         batch.pool = pool

@@ -24,7 +24,7 @@ import torch
 from backend.adapter import AdapterSpec
 from backend.adapter_packing import PackedAdapter, _layout
 from backend.adapter_pool import AdapterPool
-from backend.config import DECODE_FORMS
+from backend.config import check_decode_form_name
 from backend.cuda_graphs import DecodeGraphs, DecodeInputs
 from backend.kv_cache import PagedKVCache
 from backend.model_config import PROJECTIONS, ModelConfig
@@ -181,8 +181,11 @@ def main() -> None:
     tables = [pool.pages.allocate(("seq", b), blocks) for b in range(args.batch)]
     scratch = pool.pages.allocate("scratch", 1)[0]
     forms = args.decode_lora_kernels.split(",")
-    if not set(forms) <= set(DECODE_FORMS):
-        ap.error(f"--decode-lora-kernels: some of {', '.join(DECODE_FORMS)}, not {args.decode_lora_kernels}")
+    for form in forms:
+        try:
+            check_decode_form_name(form, "--decode-lora-kernels")
+        except ValueError as e:
+            ap.error(str(e))
     page = args.page_size
     positions = torch.full((args.batch,), args.context, dtype=torch.int64)
     slots = torch.tensor([t[args.context // page] * page + args.context % page for t in tables])
@@ -193,7 +196,11 @@ def main() -> None:
     kv_bytes = args.batch * (args.context + 1) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
     rows = []
     capture_s = {}
+    graphs = None
     for form in forms:
+        if graphs is not None:  # the previous form's graphs: their memory goes back before the next capture
+            graphs = None
+            torch.cuda.empty_cache()
         graphs = DecodeGraphs(model, kv, scratch, args.batch, blocks, max(max(counts), 1), args.rank,
                               decode_form=form)
         print(f"LoRA kernels of the decode step: {form}", flush=True)
@@ -231,10 +238,7 @@ def main() -> None:
                     "tokens_per_s": round(args.batch / step_ms * 1e3, 1),
                 }
             )
-        del graphs
-        torch.cuda.empty_cache()
-    graphs = DecodeGraphs(model, kv, scratch, args.batch, blocks, max(max(counts), 1), args.rank)
-    graphs._reset_padding(args.batch)
+    graphs._reset_padding(args.batch)  # the last form's tables: an eager base-only step over them
     eager_base = time_ms(lambda: model.forward(graphs._batch(args.batch), kv, None), 10)
 
     result = {

@@ -6,12 +6,11 @@ with TRITON_INTERPRET=0.
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 
-from backend.config import EXPERIMENTAL_DECODE_FORMS, EngineConfig
+from backend.config import EngineConfig, experimental_decode_forms_allowed
 from backend.engine import Engine
 from backend.offline import generate
 from backend.request import GenerationRequest, SamplingParams
@@ -24,7 +23,7 @@ def _skip_experimental_on_cuda(device: str, decode_lora: str) -> None:
     """The segmented decode forms are a known defect on CUDA (backend/config.py check_decode_form): their compiled
     tests ended in an illegal memory access on the H200, which would fail every later test of the run. Set
     MANYLORA_EXPERIMENTAL_DECODE_FORMS=1 to run them there (when working on the defect)."""
-    if device == "cuda" and decode_lora != "bgmv" and os.environ.get(EXPERIMENTAL_DECODE_FORMS) != "1":
+    if device == "cuda" and decode_lora != "bgmv" and not experimental_decode_forms_allowed():
         pytest.skip(f"decode_lora_kernels={decode_lora} is experimental on CUDA (illegal memory access on the H200)")
 
 
@@ -155,7 +154,7 @@ def test_warm_up_runs_the_kernel_path_and_gives_every_page_back(tmp_path, device
         assert warm_up(engine.model, engine.kv, 8, max_tokens=130, max_seqs=4, sizes=[5, 64, 130],
                        max_len=engine.max_len, paged_prefill=True) > 0
         for form, sizes in (("sgmv", [2, 17]), ("hybrid", [3])):
-            if device == "cuda" and os.environ.get(EXPERIMENTAL_DECODE_FORMS) != "1":
+            if device == "cuda" and not experimental_decode_forms_allowed():
                 continue  # a known defect there (_skip_experimental_on_cuda)
             assert warm_up(engine.model, engine.kv, 8, max_tokens=130, max_seqs=4, sizes=sizes,
                            max_len=engine.max_len, decode_form=form) > 0
