@@ -67,7 +67,7 @@ ab)
   cp perf/bench_decode_step.py perf/bench_moe_step.py .baseline/perf/
   if [ "${AB_TESTS:-1}" = 1 ]; then
     TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_engine_kernels.py \
-      tests/kernels/test_lora_kernels.py::test_lora_batch_shrink_scratch > "$WORK/gpu_tests.txt" 2>&1
+      tests/kernels/test_lora_batch.py::test_lora_batch_shrink_scratch > "$WORK/gpu_tests.txt" 2>&1
   fi
   for tree in baseline new; do
     dir=$PWD; [ $tree = baseline ] && dir=$PWD/.baseline

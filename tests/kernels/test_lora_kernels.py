@@ -10,158 +10,25 @@ of base-only tokens bit-identical.
 from __future__ import annotations
 
 import os
-import zlib
-from dataclasses import dataclass
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (conftest does it too)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from lora_cases import (  # noqa: E402
+    DISTS,
+    TOL,
+    LoraCase,
+    dense_lora,
+    make_case,
+    poisoned,
+    seed_of,
+)
 
 from kernels.lora_expand import lora_expand  # noqa: E402
 from kernels.lora_meta import build_segments, build_segments_on_device  # noqa: E402
 from kernels.lora_shrink import lora_shrink  # noqa: E402
 from kernels.reference import ref_lora_expand, ref_lora_shrink  # noqa: E402
-
-TOL = {"rtol": 1e-4, "atol": 1e-4}
-RANK_CHOICES = (1, 4, 8, 16)
-DISTS = ("distinct", "one", "powerlaw", "some_none", "all_none")
-
-
-def seed_of(*key: object) -> int:
-    return zlib.crc32(repr(key).encode())
-
-
-@dataclass
-class LoraCase:
-    x: torch.Tensor  # [T, in]
-    pool: torch.Tensor
-    a_dense: torch.Tensor  # fp32 [NS, S, R_max, in] (zero past the rank)
-    b_dense: list[torch.Tensor]  # per slice fp32 [S, out_i, R_max] (zero past the rank)
-    a_row_offsets: torch.Tensor  # int64 [NS, S, R_max]
-    b_row_offsets: torch.Tensor
-    ranks: torch.Tensor  # int32 [NS, S]
-    scalings: torch.Tensor  # fp32 [NS, S]
-    token_slots: torch.Tensor  # int32 [T]
-    slice_bounds: list[int]  # [NS + 1]
-    gen: torch.Generator
-
-
-def token_slots_for(dist: str, num_tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, int]:
-    """(token_slots int32 [T], number of slots S)."""
-    if dist == "distinct":
-        num_slots = num_tokens
-        slots = torch.randperm(num_tokens, generator=gen)
-    elif dist == "one":
-        num_slots = 4
-        slots = torch.full((num_tokens,), int(torch.randint(num_slots, (1,), generator=gen)))
-    elif dist in ("powerlaw", "some_none"):
-        num_slots = 6
-        weights = 1.0 / torch.arange(1, num_slots + 1, dtype=torch.float64) ** 1.5
-        slots = torch.multinomial(weights, num_tokens, replacement=True, generator=gen)
-        slots = torch.randperm(num_slots, generator=gen)[slots]  # the popular slot is not always 0
-        if dist == "some_none":
-            none = torch.rand(num_tokens, generator=gen) < 0.35
-            none[0] = True
-            slots = torch.where(none, torch.full_like(slots, -1), slots)
-    elif dist == "all_none":
-        num_slots = 3
-        slots = torch.full((num_tokens,), -1)
-    else:
-        raise ValueError(dist)
-    return slots.to(torch.int32), num_slots
-
-
-def make_case(
-    seed: int,
-    num_tokens: int,
-    in_features: int,
-    out_widths: list[int],
-    dist: str,
-    device: str,
-    max_rank: int = 16,
-    rank_choices: tuple[int, ...] = RANK_CHOICES,
-    dtype: torch.dtype = torch.float32,
-    align: int = 1,
-) -> LoraCase:
-    gen = torch.Generator().manual_seed(seed)
-    num_slices = len(out_widths)
-    token_slots, num_slots = token_slots_for(dist, num_tokens, gen)
-    choices = torch.tensor(rank_choices)
-    ranks = choices[torch.randint(len(rank_choices), (num_slices, num_slots), generator=gen)].to(torch.int32)
-    scalings = (0.5 + 1.5 * torch.rand(num_slices, num_slots, generator=gen)).float()
-
-    a_dense = torch.zeros(num_slices, num_slots, max_rank, in_features)
-    b_dense = [torch.zeros(num_slots, w, max_rank) for w in out_widths]
-    rows = []  # (kind, slice, slot, k, length)
-    for i in range(num_slices):
-        for s in range(num_slots):
-            r = int(ranks[i, s])
-            a_dense[i, s, :r] = torch.randn(r, in_features, generator=gen) / in_features**0.5
-            b_dense[i][s, :, :r] = torch.randn(out_widths[i], r, generator=gen)
-            rows += [("a", i, s, k, in_features) for k in range(r)]
-            rows += [("b", i, s, k, out_widths[i]) for k in range(r)]
-    # paged placement: shuffled row order, random gaps of garbage between rows
-    order = torch.randperm(len(rows), generator=gen).tolist()
-    gaps = torch.randint(0, 9, (len(rows) + 1,), generator=gen).tolist()
-    if align > 1:  # every row starts on a multiple of ``align`` elements
-        gaps = [g * align + (-rows[order[j]][4] % align if j < len(order) else 0) for j, g in enumerate(gaps)]
-    total = sum(r[4] for r in rows) + sum(gaps)
-    pool = torch.randn(total, generator=gen) * 3.0
-    a_offs = torch.full((num_slices, num_slots, max_rank), -1, dtype=torch.int64)
-    b_offs = torch.full((num_slices, num_slots, max_rank), -1, dtype=torch.int64)
-    pos = gaps[-1]
-    for j, idx in enumerate(order):
-        kind, i, s, k, length = rows[idx]
-        if kind == "a":
-            pool[pos : pos + length] = a_dense[i, s, k]
-            a_offs[i, s, k] = pos
-        else:
-            pool[pos : pos + length] = b_dense[i][s, :, k]
-            b_offs[i, s, k] = pos
-        pos += length + gaps[j]
-    # the dense copies hold exactly what the pool holds, in its dtype
-    pool = pool.to(dtype)
-    a_dense = a_dense.to(dtype).float()
-    b_dense = [b.to(dtype).float() for b in b_dense]
-    bounds = [0]
-    for w in out_widths:
-        bounds.append(bounds[-1] + w)
-    x = torch.randn(num_tokens, in_features, generator=gen).to(dtype)
-    return LoraCase(
-        x=x.to(device),
-        pool=pool.to(device),
-        a_dense=a_dense,
-        b_dense=b_dense,
-        a_row_offsets=a_offs.to(device),
-        b_row_offsets=b_offs.to(device),
-        ranks=ranks.to(device),
-        scalings=scalings.to(device),
-        token_slots=token_slots.to(device),
-        slice_bounds=bounds,
-        gen=gen,
-    )
-
-
-def dense_lora(case: LoraCase) -> tuple[torch.Tensor, torch.Tensor]:
-    """(shrink [NS, T, R_max], delta [T, total]) straight from the dense matrices (CPU fp32)."""
-    slots = case.token_slots.cpu().long()
-    active = slots >= 0
-    sel = slots.clamp(min=0)
-    x = case.x.cpu().float()
-    ns = case.a_dense.shape[0]
-    shrink = torch.stack([torch.einsum("tri,ti->tr", case.a_dense[i, sel], x) for i in range(ns)])
-    deltas = []
-    for i in range(ns):
-        b = case.b_dense[i][sel]  # [T, out_i, R]
-        scal = case.scalings.cpu()[i, sel][:, None]
-        deltas.append(scal * torch.einsum("tor,tr->to", b, shrink[i]))
-    delta = torch.cat(deltas, dim=1) * active[:, None]
-    return shrink, delta
-
-
-def poisoned(shape: tuple[int, ...], device: str) -> torch.Tensor:
-    return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
 
 
 def expected_shrink(case: LoraCase) -> torch.Tensor:
@@ -450,85 +317,6 @@ def test_empty_batch(device):
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dist", DISTS)
-@pytest.mark.parametrize("num_tokens", [1, 17, 64])
-def test_build_segments(dist, num_tokens):
-    gen = torch.Generator().manual_seed(seed_of("seg", dist, num_tokens))
-    slots, _ = token_slots_for(dist, num_tokens, gen)
-    meta = build_segments(slots)
-    active = torch.nonzero(slots >= 0).flatten()
-    order = meta.token_order.long()
-    assert sorted(order.tolist()) == active.tolist(), "token_order is a permutation of the adapter tokens"
-    assert meta.num_tokens == num_tokens
-    assert meta.seg_starts[0] == 0 and meta.seg_starts[-1] == active.numel()
-    assert meta.seg_slots.unique().numel() == meta.num_segments == (slots[active].unique().numel())
-    lengths = meta.seg_starts[1:] - meta.seg_starts[:-1]
-    assert (lengths > 0).all() and meta.max_seg_len == (int(lengths.max()) if meta.num_segments else 0)
-    for i in range(meta.num_segments):
-        toks = order[meta.seg_starts[i] : meta.seg_starts[i + 1]]
-        assert (slots[toks] == meta.seg_slots[i]).all()
-        assert (toks[1:] > toks[:-1]).all(), "stable: tokens keep their order inside a segment"
-    assert list(meta.seg_lens) == lengths.tolist()
-    for block_m in (16, 32, 64, 128):  # the up-front tables and one built on demand
-        tiles = meta.tiles(block_m).tolist()
-        assert len(tiles) == meta.num_tiles(block_m)
-        expected = [(i, int(meta.seg_starts[i]) + m) for i in range(meta.num_segments)
-                    for m in range(0, int(lengths[i]), block_m)]
-        assert [tuple(t) for t in tiles] == expected, f"every segment cut into {block_m}-row tiles, in order"
-
-
-@pytest.mark.parametrize("dist", DISTS)
-@pytest.mark.parametrize("num_tokens", [1, 17, 64])
-@pytest.mark.parametrize("block_m", [16, 32])
-def test_build_segments_on_device(dist, num_tokens, block_m):
-    """Fixed-shape tables: every adapter token lies in exactly one tile, each tile's rows share its segment's slot,
-    the padding tiles and the base-only tokens' segment have slot -1; the shapes depend on T and S only."""
-    gen = torch.Generator().manual_seed(seed_of("device-seg", dist, num_tokens, block_m))
-    slots, num_slots = token_slots_for(dist, num_tokens, gen)
-    meta = build_segments_on_device(slots, num_slots)
-    assert sorted(meta.token_order.tolist()) == list(range(num_tokens)), "token_order is a permutation of all tokens"
-    assert meta.seg_starts.shape == (num_slots + 2,) and meta.seg_slots.tolist() == [*range(num_slots), -1]
-    order, starts = meta.token_order.long(), meta.seg_starts.long()
-    for seg in range(num_slots + 1):
-        toks = order[starts[seg] : starts[seg + 1]]
-        assert (slots[toks] == (seg if seg < num_slots else -1)).all()
-        assert (toks[1:] > toks[:-1]).all(), "stable: tokens keep their order inside a segment"
-    tiles = meta.tiles(block_m)
-    assert tiles.shape == (meta.num_tiles(block_m), 2) and tiles.dtype == torch.int32
-    assert meta.num_tiles(block_m) == -(-num_tokens // block_m) + min(num_slots, num_tokens)
-    covered = []
-    for seg, row in tiles.tolist():
-        if meta.seg_slots[seg] < 0:
-            continue  # a padding tile: its programs return at once
-        end = int(starts[seg + 1])
-        assert int(starts[seg]) <= row < end
-        covered += order[row : min(row + block_m, end)].tolist()
-    assert sorted(covered) == torch.nonzero(slots >= 0).flatten().tolist(), "each adapter token in one tile"
-
-
-def test_device_segments_take_no_host_data():
-    """The device-built tables come from torch ops on the slots alone: no host literal is lifted into a tensor
-    (``t[i] = -1`` and ``torch.tensor(...)`` are), since a CUDA-graph capture refuses the host-to-device copy that
-    this makes on a GPU (the H200 run of 2026-12-01 failed so before the fills). Checked on any device by
-    watching the dispatcher for ``aten.lift_fresh``."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class NoHostData(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            assert func is not torch.ops.aten.lift_fresh.default, "a host value became a tensor"
-            return func(*args, **(kwargs or {}))
-
-    gen = torch.Generator().manual_seed(seed_of("no-host-data"))
-    slots, num_slots = token_slots_for("powerlaw", 40, gen)
-    with NoHostData():
-        meta = build_segments_on_device(slots, num_slots)
-        meta.tiles(16)
-        meta.tiles(32)
-    assert meta.seg_slots.tolist() == [*range(num_slots), -1]
-    with pytest.raises(AssertionError, match="host value"), NoHostData():
-        slots[0] = -1  # the detector detects
-
-
 def test_argument_errors(device):
     case = make_case(seed_of("errors"), 3, 64, [32], "powerlaw", device)
     out = poisoned((1, 3, 16), device)
@@ -548,64 +336,3 @@ def test_argument_errors(device):
         lora_expand(out, case.pool, case.b_row_offsets, case.ranks, case.scalings, case.token_slots, base, [0, 16, 32])
     with pytest.raises(TypeError, match="scalings"):
         lora_expand(out, case.pool, case.b_row_offsets, case.ranks, case.scalings.double(), case.token_slots, base)
-
-
-def test_lora_batch_shrink_scratch(device):
-    """LoraBatch's kernel path: the shrink outputs of a forward share one buffer zeroed by begin_forward (the
-    split-K partial sums add into it), and a second forward over the same batch (a CUDA graph replay) starts
-    from zeros again: both forwards, both layers give the dense result."""
-    from backend.lora_batch import LoraBatch
-    from kernels.lora_config import shrink_config
-
-    case = make_case(seed_of("scratch"), 17, 130, [40, 24], "some_none", device)
-    assert shrink_config(17, 130, 16, segmented=False, num_slices=2)["SPLIT_K"] > 1, "the K splits add atomically"
-    num_layers, (ns, num_slots, max_rank) = 2, case.a_row_offsets.shape
-    row_offsets = torch.full((num_layers, 7, 2, num_slots, max_rank), -1, dtype=torch.int64, device=device)
-    ranks = torch.zeros((num_layers, 7, num_slots), dtype=torch.int32, device=device)
-    scalings = torch.zeros((num_layers, 7, num_slots), dtype=torch.float32, device=device)
-    row_offsets[:, :ns, 0], row_offsets[:, :ns, 1] = case.a_row_offsets, case.b_row_offsets  # q_proj, k_proj
-    ranks[:, :ns], scalings[:, :ns] = case.ranks, case.scalings
-    lora = LoraBatch.from_tables(case.token_slots, row_offsets, ranks, scalings, case.pool)
-    _, delta = dense_lora(case)
-    base = torch.randn(17, 64, generator=case.gen)
-    for _forward in range(2):
-        lora.begin_forward(17)
-        assert lora._shrink_scratch is not None and not lora._shrink_scratch.any()
-        for layer in range(num_layers):
-            out = base.to(device, copy=True)
-            lora.apply(case.x, out, layer, ("q_proj", "k_proj"), (40, 24))
-            torch.testing.assert_close(out.cpu(), base + delta, **TOL)
-
-
-@pytest.mark.parametrize("decode_form", ["sgmv", "hybrid"])
-def test_lora_batch_device_segments(device, decode_form):
-    """A graph-mode LoraBatch whose kernels take segments (the decode step's "sgmv" kernels, or "hybrid": the
-    expand only, beside the BGMV shrink): every forward groups the
-    tokens by slot on the device from the token_slots tensor as it is then, so a second forward after the slots
-    were refilled in place (what a CUDA-graph replay sees) serves the new assignment, every layer equal to the
-    dense result."""
-    from backend.lora_batch import LoraBatch
-
-    case = make_case(seed_of("device-segments"), 21, 136, [40, 24], "some_none", device)
-    num_layers, (ns, num_slots, max_rank) = 2, case.a_row_offsets.shape
-    row_offsets = torch.full((num_layers, 7, 2, num_slots, max_rank), -1, dtype=torch.int64, device=device)
-    ranks = torch.zeros((num_layers, 7, num_slots), dtype=torch.int32, device=device)
-    scalings = torch.zeros((num_layers, 7, num_slots), dtype=torch.float32, device=device)
-    row_offsets[:, :ns, 0], row_offsets[:, :ns, 1] = case.a_row_offsets, case.b_row_offsets
-    ranks[:, :ns], scalings[:, :ns] = case.ranks, case.scalings
-    token_slots = case.token_slots.clone()
-    lora = LoraBatch.from_tables(token_slots, row_offsets, ranks, scalings, case.pool, decode_form=decode_form)
-    base = torch.randn(21, 64, generator=case.gen)
-    for forward in range(2):
-        if forward:  # the next step's slots, written into the same tensor
-            new_slots, _ = token_slots_for("powerlaw", 21, case.gen)
-            new_slots[3] = -1
-            token_slots.copy_(new_slots.to(device))
-            case.token_slots = token_slots
-        _, delta = dense_lora(case)
-        lora.begin_forward(21)
-        assert lora.segments is not None and lora.segments.slot_counts is not None
-        for layer in range(num_layers):
-            out = base.to(device, copy=True)
-            lora.apply(case.x, out, layer, ("q_proj", "k_proj"), (40, 24))
-            torch.testing.assert_close(out.cpu(), base + delta, **TOL)

@@ -1,0 +1,73 @@
+"""backend/lora_batch.py on the kernel path: one zeroed shrink scratch per forward, and graph-mode batches whose
+segments are rebuilt on the device at every forward (what a CUDA-graph replay sees)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (conftest does it too)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from lora_cases import TOL, dense_lora, make_case, seed_of, token_slots_for  # noqa: E402
+
+
+def test_lora_batch_shrink_scratch(device):
+    """LoraBatch's kernel path: the shrink outputs of a forward share one buffer zeroed by begin_forward (the
+    split-K partial sums add into it), and a second forward over the same batch (a CUDA graph replay) starts
+    from zeros again: both forwards, both layers give the dense result."""
+    from backend.lora_batch import LoraBatch
+    from kernels.lora_config import shrink_config
+
+    case = make_case(seed_of("scratch"), 17, 130, [40, 24], "some_none", device)
+    assert shrink_config(17, 130, 16, segmented=False, num_slices=2)["SPLIT_K"] > 1, "the K splits add atomically"
+    num_layers, (ns, num_slots, max_rank) = 2, case.a_row_offsets.shape
+    row_offsets = torch.full((num_layers, 7, 2, num_slots, max_rank), -1, dtype=torch.int64, device=device)
+    ranks = torch.zeros((num_layers, 7, num_slots), dtype=torch.int32, device=device)
+    scalings = torch.zeros((num_layers, 7, num_slots), dtype=torch.float32, device=device)
+    row_offsets[:, :ns, 0], row_offsets[:, :ns, 1] = case.a_row_offsets, case.b_row_offsets  # q_proj, k_proj
+    ranks[:, :ns], scalings[:, :ns] = case.ranks, case.scalings
+    lora = LoraBatch.from_tables(case.token_slots, row_offsets, ranks, scalings, case.pool)
+    _, delta = dense_lora(case)
+    base = torch.randn(17, 64, generator=case.gen)
+    for _forward in range(2):
+        lora.begin_forward(17)
+        assert lora._shrink_scratch is not None and not lora._shrink_scratch.any()
+        for layer in range(num_layers):
+            out = base.to(device, copy=True)
+            lora.apply(case.x, out, layer, ("q_proj", "k_proj"), (40, 24))
+            torch.testing.assert_close(out.cpu(), base + delta, **TOL)
+
+
+@pytest.mark.parametrize("decode_form", ["sgmv", "hybrid"])
+def test_lora_batch_device_segments(device, decode_form):
+    """A graph-mode LoraBatch whose kernels take segments (the decode step's "sgmv" kernels, or "hybrid": the
+    expand only, beside the BGMV shrink): every forward groups the
+    tokens by slot on the device from the token_slots tensor as it is then, so a second forward after the slots
+    were refilled in place (what a CUDA-graph replay sees) serves the new assignment, every layer equal to the
+    dense result."""
+    from backend.lora_batch import LoraBatch
+
+    case = make_case(seed_of("device-segments"), 21, 136, [40, 24], "some_none", device)
+    num_layers, (ns, num_slots, max_rank) = 2, case.a_row_offsets.shape
+    row_offsets = torch.full((num_layers, 7, 2, num_slots, max_rank), -1, dtype=torch.int64, device=device)
+    ranks = torch.zeros((num_layers, 7, num_slots), dtype=torch.int32, device=device)
+    scalings = torch.zeros((num_layers, 7, num_slots), dtype=torch.float32, device=device)
+    row_offsets[:, :ns, 0], row_offsets[:, :ns, 1] = case.a_row_offsets, case.b_row_offsets
+    ranks[:, :ns], scalings[:, :ns] = case.ranks, case.scalings
+    token_slots = case.token_slots.clone()
+    lora = LoraBatch.from_tables(token_slots, row_offsets, ranks, scalings, case.pool, decode_form=decode_form)
+    base = torch.randn(21, 64, generator=case.gen)
+    for forward in range(2):
+        if forward:  # the next step's slots, written into the same tensor
+            new_slots, _ = token_slots_for("powerlaw", 21, case.gen)
+            new_slots[3] = -1
+            token_slots.copy_(new_slots.to(device))
+            case.token_slots = token_slots
+        _, delta = dense_lora(case)
+        lora.begin_forward(21)
+        assert lora.segments is not None and lora.segments.slot_counts is not None
+        for layer in range(num_layers):
+            out = base.to(device, copy=True)
+            lora.apply(case.x, out, layer, ("q_proj", "k_proj"), (40, 24))
+            torch.testing.assert_close(out.cpu(), base + delta, **TOL)
