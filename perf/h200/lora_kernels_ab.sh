@@ -31,7 +31,7 @@ case "$PART" in
 kernels)
   (
     export CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$ROOT TRITON_INTERPRET=0
-    timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_lora_kernels.py \
+    timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_lora_kernels.py tests/kernels/test_lora_segments.py tests/kernels/test_lora_batch.py \
       tests/kernels/test_engine_kernels.py > "$W/gpu_tests.txt" 2>&1
     stamp "compiled tests" $?
     for form in bgmv sgmv; do
@@ -57,23 +57,8 @@ kernels)
     cat "$W/times.txt"
     echo "== compiled tests"; tail -n 3 "$W/gpu_tests.txt"
     for s in bgmv sgmv base; do echo "== decode step $s"; grep -E "adapters|ms" "$W/step_$s.txt" | tail -n 6; done
-    echo "== LoRA kernels, decode shapes (T <= 64): new bgmv / new sgmv-device / baseline bgmv, us"
-    python3 - "$W" <<'EOF'
-import json, sys
-w = sys.argv[1]
-rows = {}
-for name in ("new", "base"):
-    try:
-        lines = open(f"{w}/kernels_{name}.jsonl").read().splitlines()
-    except OSError:
-        continue
-    for r in map(json.loads, lines):
-        if r.get("kind") == "lora" and r["tokens"] <= 64:
-            rows.setdefault((r["module"], r["op"], r["tokens"], r["distinct"]), {})[f"{name} {r['form']}"] = r["us"]
-for key, v in sorted(rows.items()):
-    cols = [v.get(c) for c in ("new bgmv", "new sgmv-device", "base bgmv")]
-    print("%-8s %-6s T=%3d d=%2d " % key + " ".join("%8.2f" % c if c else "       -" for c in cols))
-EOF
+    echo "== LoRA kernels, decode shapes: us (x floor) [vs bmm]"
+    python3 perf/kernel_table.py "new=$W/kernels_new.jsonl" "base=$W/kernels_base.jsonl" --tokens 1 16 64
   } > "$OUT/kernels_ab.txt" 2>&1
   ;;
 headline)

@@ -31,7 +31,8 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 case "$PART" in
 kernels)
   PYTHONPATH=$ROOT TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -p no:cacheprovider \
-    tests/kernels/test_lora_kernels.py tests/kernels/test_engine_kernels.py > "$W/gpu_tests.txt" 2>&1
+    tests/kernels/test_lora_kernels.py tests/kernels/test_lora_segments.py tests/kernels/test_lora_batch.py \
+    tests/kernels/test_engine_kernels.py > "$W/gpu_tests.txt" 2>&1
   stamp "compiled tests" $?
   PYTHONPATH=$ROOT timeout 130 python3 -m perf.bench_decode_step --decode-lora-kernels bgmv,sgmv \
     --out "$W/step_new" > "$W/step_new.txt" 2>&1
@@ -47,29 +48,20 @@ kernels)
     cat "$W/gpu.txt" "$W/times.txt"
     echo "== compiled tests"; grep -E "passed|failed|error" "$W/gpu_tests.txt" | tail -n 4
     for s in new base; do echo "== decode step $s"; grep -E "^ *[0-9]+ +[0-9.]+ |^LoRA kernels|copy" "$W/step_$s.txt"; done
-    echo "== LoRA kernels at decode sizes (T <= 64): us, x floor, vs bmm"
-    python3 - "$W/kernels_new.jsonl" <<'EOF'
-import json, sys
-try:
-    recs = [json.loads(line) for line in open(sys.argv[1])]
-except OSError:
-    sys.exit("no kernel results")
-for r in recs:
-    if r.get("kind") == "lora" and r["tokens"] <= 64 and r["tokens"] >= 16:
-        print("%-8s %-6s %-11s T=%3d d=%2d %8.2f us %5.2fx floor %5.1fx bmm" % (
-            r["module"], r["op"], r["form"], r["tokens"], r["distinct"], r["us"], r["x_floor"],
-            r.get("speedup_vs_bmm") or 0))
-EOF
+    echo "== LoRA kernels at decode sizes: us (x floor) [vs bmm]"
+    python3 perf/kernel_table.py "new=$W/kernels_new.jsonl" --tokens 16 64
   } > "$OUT/kernels.txt" 2>&1
   ;;
 forms)
   # the decode-step LoRA forms: compiled tests of the segmented ones (the gate), the decode step of each form in one
   # process, the headline with the fastest form whose tests passed, and the kernel benchmark of this tree and BASE
-  PYTHONPATH=$ROOT TRITON_INTERPRET=0 timeout 120 python3 -m pytest -q -p no:cacheprovider \
-    tests/kernels/test_engine_kernels.py tests/kernels/test_lora_kernels.py \
+  MANYLORA_EXPERIMENTAL_DECODE_FORMS=1 PYTHONPATH=$ROOT TRITON_INTERPRET=0 timeout 120 python3 -m pytest -q \
+    -p no:cacheprovider tests/kernels/test_engine_kernels.py tests/kernels/test_lora_kernels.py \
+    tests/kernels/test_lora_segments.py tests/kernels/test_lora_batch.py \
     -k "sgmv or hybrid or device_segments or warm_up or no_host_data" > "$W/gpu_tests.txt" 2>&1
   stamp "compiled tests" $?
-  PYTHONPATH=$ROOT timeout 150 python3 -m perf.bench_decode_step --decode-lora-kernels bgmv,sgmv,hybrid \
+  MANYLORA_EXPERIMENTAL_DECODE_FORMS=1 PYTHONPATH=$ROOT timeout 150 python3 -m perf.bench_decode_step \
+    --decode-lora-kernels bgmv,sgmv,hybrid \
     --out "$W/step" > "$W/step.txt" 2>&1
   stamp "decode step bgmv, sgmv, hybrid" $?
   FORM=$(python3 - "$W" <<'EOF2'
@@ -92,9 +84,11 @@ EOF2
   echo "headline form: $FORM" >> "$W/times.txt"
   mkdir -p "$W/work"
   left=$((520 - ($(date +%s) - T0)))
-  PYTHONPATH=$ROOT timeout $((left > 60 ? left : 60)) python3 -m perf.headline --shape llama3-8b --out "$W/headline" \
-    --workdir "$W/work" --adapters 5 100 1000 2000 --rate 24 --duration 12 --drain 15 --skip-peft \
-    --max-num-seqs 128 --admit-every-steps 4 --decode-lora-kernels "$FORM" > "$W/headline.txt" 2>&1
+  # FORM passed its compiled tests above (or is bgmv): the engine may run it with the experimental flag
+  MANYLORA_EXPERIMENTAL_DECODE_FORMS=1 PYTHONPATH=$ROOT timeout $((left > 60 ? left : 60)) python3 -m perf.headline \
+    --shape llama3-8b --out "$W/headline" --workdir "$W/work" --adapters 5 100 1000 2000 --rate 24 --duration 12 \
+    --drain 15 --skip-peft --max-num-seqs 128 --admit-every-steps 4 --decode-lora-kernels "$FORM" \
+    > "$W/headline.txt" 2>&1
   stamp "headline ($FORM)" $?
   rm -rf "$W/work"
   PYTHONPATH=$ROOT timeout 30 python3 perf/bench_kernels.py --quick --forms bgmv,sgmv-device --rep-ms 5 \
@@ -108,29 +102,16 @@ EOF2
     echo "== compiled tests"; grep -E "passed|failed|FAILED|rror" "$W/gpu_tests.txt" | tail -n 6
     echo "== decode step"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$W/step.txt" | cut -c1-200
     echo "== headline"; grep -E "^\| engine|ratio" "$W/headline/summary.md" | head -20
-    echo "== LoRA kernels T=64: new bgmv / new sgmv-device / baseline bgmv, us"
-    python3 - "$W" <<'EOF2'
-import json, sys
-w, rows = sys.argv[1], {}
-for name in ("new", "base"):
-    try:
-        recs = [json.loads(line) for line in open(f"{w}/kernels_{name}.jsonl")]
-    except OSError:
-        continue
-    for r in recs:
-        if r.get("kind") == "lora" and r["tokens"] == 64:
-            rows.setdefault((r["module"], r["op"], r["distinct"]), {})[f"{name} {r['form']}"] = (r["us"], r["x_floor"])
-for key, v in sorted(rows.items()):
-    cols = [v.get(c) for c in ("new bgmv", "new sgmv-device", "base bgmv")]
-    print("%-8s %-6s d=%2d " % key + " ".join("%7.2f (%5.2fx)" % c if c else "      -        " for c in cols))
-EOF2
+    echo "== LoRA kernels T=64, this tree and BASE: us (x floor) [vs bmm]"
+    python3 perf/kernel_table.py "new=$W/kernels_new.jsonl" "base=$W/kernels_base.jsonl" --tokens 64
   } > "$OUT/forms.txt" 2>&1
   ;;
 expand)
   # the BGMV expand with its 16-byte paths off (BGMV_EXPAND_VECTOR): compiled tests of the BGMV paths, the decode step
   # of this tree and of BASE, the kernel benchmark, then the headline
   PYTHONPATH=$ROOT TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -x -p no:cacheprovider \
-    tests/kernels/test_lora_kernels.py tests/kernels/test_engine_kernels.py -k "not sgmv and not hybrid" \
+    tests/kernels/test_lora_kernels.py tests/kernels/test_lora_segments.py tests/kernels/test_lora_batch.py tests/kernels/test_engine_kernels.py \
+    -k "not sgmv and not hybrid" \
     > "$W/gpu_tests.txt" 2>&1
   stamp "compiled tests" $?
   PYTHONPATH=$ROOT timeout 100 python3 -m perf.bench_decode_step --out "$W/step_new" > "$W/step_new.txt" 2>&1
@@ -155,13 +136,7 @@ expand)
       | cut -c1-160; done
     echo "== headline"; grep -E "^\| engine|ratio" "$W/headline/summary.md" | head -20
     echo "== LoRA kernels, bgmv, T = 16 / 64: us (x floor) [vs bmm]"
-    python3 - "$W/kernels_new.jsonl" <<'EOF2'
-import json, sys
-for r in map(json.loads, open(sys.argv[1])):
-    if r.get("kind") == "lora" and r["tokens"] in (16, 64):
-        print("%-8s %-6s T=%2d d=%2d %7.2f (%5.2fx) [%4.1fx]" % (r["module"], r["op"], r["tokens"], r["distinct"],
-              r["us"], r["x_floor"], r.get("speedup_vs_bmm") or 0))
-EOF2
+    python3 perf/kernel_table.py "new=$W/kernels_new.jsonl" --tokens 16 64
   } > "$OUT/expand.txt" 2>&1
   ;;
 headline)
