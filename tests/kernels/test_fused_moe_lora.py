@@ -8,13 +8,13 @@ random garbage, so a wrong offset shows). Ranks are mixed per slot.
 from __future__ import annotations
 
 import os
-import zlib
 from dataclasses import dataclass
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (conftest does it too)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from lora_cases import seed_of, token_slots_for  # noqa: E402
 
 from kernels.fused_moe import fused_moe, fused_moe_gemm, moe_gemm_config  # noqa: E402
 from kernels.fused_moe_lora import MoeLora, fused_moe_lora_forward  # noqa: E402
@@ -27,10 +27,6 @@ RANK_CHOICES = (2, 4, 8)
 MAX_RANK = 8
 
 
-def seed_of(*key: object) -> int:
-    return zlib.crc32(repr(key).encode())
-
-
 @dataclass
 class MoeCase:
     x: torch.Tensor
@@ -40,27 +36,6 @@ class MoeCase:
     topk_weights: torch.Tensor
     lora: MoeLora
     dense: dict[str, torch.Tensor]  # fp32 CPU: a13 [NS,S,E,R,H], b13 [NS,S,E,W,R], a2 [S,E,R,I], b2 [S,E,H,R]
-
-
-def slots_for(dist: str, num_tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, int]:
-    if dist == "distinct":
-        num_slots = num_tokens
-        slots = torch.randperm(num_tokens, generator=gen)
-    elif dist == "one":
-        num_slots = 3
-        slots = torch.full((num_tokens,), int(torch.randint(num_slots, (1,), generator=gen)))
-    elif dist == "some_none":
-        num_slots = 4
-        slots = torch.randint(num_slots, (num_tokens,), generator=gen)
-        none = torch.rand(num_tokens, generator=gen) < 0.35
-        none[0] = True
-        slots = torch.where(none, torch.full_like(slots, -1), slots)
-    elif dist == "all_none":
-        num_slots = 2
-        slots = torch.full((num_tokens,), -1)
-    else:
-        raise ValueError(dist)
-    return slots.to(torch.int32), num_slots
 
 
 def make_case(
@@ -84,7 +59,7 @@ def make_case(
     topk_ids = topk_ids.reshape(num_tokens, top_k).to(torch.int32)
     topk_weights = torch.softmax(torch.randn(num_tokens, top_k, generator=gen), dim=-1).float()
 
-    token_slots, num_slots = slots_for(dist, num_tokens, gen)
+    token_slots, num_slots = token_slots_for(dist, num_tokens, gen)
     choices = torch.tensor(RANK_CHOICES)
     ranks = choices[torch.randint(len(choices), (num_slots,), generator=gen)].to(torch.int32)
     scalings = (0.5 + 1.5 * torch.rand(num_slots, generator=gen)).float()
@@ -202,7 +177,7 @@ def test_moe_align(num_tokens, num_experts, top_k, block_m, dist):
         al = moe_align_block_size(topk_ids, num_experts, block_m)
         ids, num_ids = topk_ids.flatten().tolist(), num_experts
     else:
-        slots, num_slots = slots_for(dist, max(num_tokens, 1), gen)
+        slots, num_slots = token_slots_for(dist, max(num_tokens, 1), gen)
         slots = slots[:num_tokens]
         al = moe_align_block_size(topk_ids, num_experts, block_m, token_slots=slots, num_slots=num_slots)
         vids = virtual_expert_ids(topk_ids, slots, num_experts).tolist()
