@@ -47,6 +47,11 @@ class EngineConfig:
             tiles reading each adapter's rows once; a CUDA-graph step builds the groups on the device, in tables
             of fixed shapes) or "hybrid" (the BGMV shrink and the SGMV expand). Kernel path only.
         cuda_graphs: replay decode steps from CUDA graphs (CUDA with Triton kernels only).
+        mixed_step_graphs: with cuda_graphs, replay the other steps (prefill chunks, alone or with decodes) from
+            CUDA graphs too, one per token bucket up to max_num_batched_tokens (dense bases; steps with a
+            sequence past a sliding window run eagerly). Those steps then attend through the paged kernel and
+            apply LoRA one program per token (BGMV), whatever prefill_attention says; their launches no longer
+            cost host time. Off: such steps run eagerly (prefill_attention and the segmented LoRA kernels).
         warmup: compile the kernels for a spread of step sizes at startup (CUDA only).
         allow_runtime_adapters: accept load/unload/replace of adapters while serving; off
             unless the environment sets MANYLORA_ALLOW_RUNTIME_ADAPTERS=1 (as vLLM gates it).
@@ -102,6 +107,7 @@ class EngineConfig:
     fuse_add_norm: bool = True
     fuse_silu_mul: bool = True
     cuda_graphs: bool = True
+    mixed_step_graphs: bool = True
     warmup: bool = True
     allow_runtime_adapters: bool = field(default_factory=lambda: _env_flag("MANYLORA_ALLOW_RUNTIME_ADAPTERS"))
     resolvers: str = ""

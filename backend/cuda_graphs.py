@@ -42,6 +42,27 @@ class DecodeInputs:
     adapters: list[ResidentAdapter]
 
 
+class AdapterTables:
+    """The adapter tables a captured step reads ([layer, module, A|B, slot, rank] row offsets, ranks and scalings of
+    max_loras slots), filled in place before each replay. The module axis: the 7 projections, then 2 slots per
+    expert on an MoE base."""
+
+    def __init__(self, cfg, max_loras: int, max_rank: int, device: str) -> None:
+        modules = num_module_slots(cfg)
+        self.row_offsets = torch.full((cfg.num_layers, modules, 2, max_loras, max_rank), -1, dtype=torch.int64,
+                                      device=device)
+        self.ranks = torch.zeros((cfg.num_layers, modules, max_loras), dtype=torch.int32, device=device)
+        self.scalings = torch.zeros((cfg.num_layers, modules, max_loras), dtype=torch.float32, device=device)
+
+    def fill(self, adapters: list[ResidentAdapter]) -> None:
+        """Slots 0..len(adapters)-1 from the adapters (device-to-device copies); later slots keep stale values,
+        which no token's slot points at."""
+        s = len(adapters)
+        self.row_offsets[:, :, :, :s] = torch.stack([a.row_offsets for a in adapters], dim=3)
+        self.ranks[:, :, :s] = torch.stack([a.ranks for a in adapters], dim=2)
+        self.scalings[:, :, :s] = torch.stack([a.scalings for a in adapters], dim=2)
+
+
 class _Graph:
     def __init__(self, size: int, with_lora: bool) -> None:
         self.size = size
@@ -68,13 +89,8 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.rows = torch.arange(n, dtype=torch.int64, device=dev)
         self.token_slots = torch.full((n,), -1, dtype=torch.int32, device=dev)
-        # the module axis: the 7 projections, then 2 slots per expert on an MoE base (its experts' LoRA is in the graph)
-        modules = num_module_slots(cfg)
-        self.expert_lora = cfg.is_moe
-        self.row_offsets = torch.full((cfg.num_layers, modules, 2, max_loras, max_rank), -1, dtype=torch.int64,
-                                      device=dev)
-        self.ranks = torch.zeros((cfg.num_layers, modules, max_loras), dtype=torch.int32, device=dev)
-        self.scalings = torch.zeros((cfg.num_layers, modules, max_loras), dtype=torch.float32, device=dev)
+        self.expert_lora = cfg.is_moe  # an MoE base's experts' LoRA is in the graph
+        self.tables = AdapterTables(cfg, max_loras, max_rank, dev)
         self._expressible: dict[object, bool] = {}  # adapter key -> whether the fused MoE-LoRA kernel takes it
         self._graphs: dict[tuple[int, bool], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle()
@@ -88,7 +104,8 @@ class DecodeGraphs:
                               seq_lens=self.seq_lens[:size], all_rows=True))
 
     def _lora(self, size: int) -> LoraBatch:
-        return LoraBatch.from_tables(self.token_slots[:size], self.row_offsets, self.ranks, self.scalings,
+        t = self.tables
+        return LoraBatch.from_tables(self.token_slots[:size], t.row_offsets, t.ranks, t.scalings,
                                      self.kv.pool.storage, graph_experts=self.expert_lora,
                                      decode_form=self.decode_form)
 
@@ -159,11 +176,8 @@ class DecodeGraphs:
         self.block_tables[:n, :width].copy_(tables, non_blocking=True)
         self.seq_lens[:n].copy_(torch.tensor(inputs.seq_lens, dtype=torch.int32), non_blocking=True)
         if with_lora:
-            s = len(inputs.adapters)
             self.token_slots[:n].copy_(torch.tensor(inputs.token_slots, dtype=torch.int32), non_blocking=True)
-            self.row_offsets[:, :, :, :s] = torch.stack([a.row_offsets for a in inputs.adapters], dim=3)
-            self.ranks[:, :, :s] = torch.stack([a.ranks for a in inputs.adapters], dim=2)
-            self.scalings[:, :, :s] = torch.stack([a.scalings for a in inputs.adapters], dim=2)
+            self.tables.fill(inputs.adapters)
         g.graph.replay()
         self.replays[with_lora] += 1
         return g.logits[:n]

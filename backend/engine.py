@@ -42,6 +42,7 @@ from backend.scheduler import Scheduler
 from backend.sequence import Sequence
 from backend.sizing import adapter_pages, gpu_pool_pages, host_cache_bytes
 from backend.step_builder import StepBuilder
+from backend.step_graphs import MixedStepGraphs
 from backend.tensor_parallel import local_config
 from backend.tp_runtime import (
     TensorParallelGroup,
@@ -144,6 +145,7 @@ class Engine:
                     max_len=self.max_len, paged_prefill=config.prefill_attention == "paged",
                     decode_form=config.decode_lora_kernels)
         self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedStepGraphs | None = None
         if config.cuda_graphs and self.use_kernels and self.device.startswith("cuda") and self.tp is None:
             self._capture_graphs()
         # on a GPU the forward is launched and then awaited, and loaders use the wait; on the CPU the
@@ -213,6 +215,17 @@ class Engine:
                         traceback.format_exc())
             self.graphs = None
             return
+        if self.config.mixed_step_graphs and not self.model_config.is_moe:
+            self.mixed_graphs = MixedStepGraphs(self.model, self.kv, scratch, self.config.max_num_batched_tokens,
+                                                self.config.max_num_seqs, max_blocks, self.config.max_loras,
+                                                self.config.max_lora_rank)
+            try:
+                self.mixed_graphs.capture_all()
+            except torch.cuda.OutOfMemoryError:  # what the pool's margin left was too little: eager steps then
+                log.warning("mixed steps could not be captured in CUDA graphs (out of memory); they run eagerly:"
+                            "\n%s", traceback.format_exc())
+                self.mixed_graphs = None
+                torch.cuda.empty_cache()
         log.info("CUDA graphs captured in %.1fs", time.perf_counter() - t0)
 
     def _log_pool(self) -> None:
@@ -460,8 +473,11 @@ class Engine:
             graph_inputs = None
             if self.graphs is not None and build.is_decode_only(plan) and self.graphs.fits(len(plan)):
                 graph_inputs = build.graph_inputs(plan, lists)
+            mixed = self.mixed_graphs
             if graph_inputs is not None and self.graphs.serves(graph_inputs.adapters):
                 logits = self.graphs.run(graph_inputs)
+            elif mixed is not None and mixed.fits(len(lists.ids), len(plan)) and build.pages_only(plan):
+                logits = mixed.run(build.mixed_inputs(plan, lists))
             else:
                 logits = self.model.forward(build.step_batch(plan, lists), self.kv, build.lora_batch(plan))
         except Exception as e:

@@ -16,6 +16,7 @@ from backend.model_config import ModelConfig
 from backend.scheduler import ScheduledChunk
 from backend.sequence import Sequence
 from backend.step_batch import DecodeRows, SequenceSlice, StepBatch
+from backend.step_graphs import MixedInputs
 
 
 def distinct_specs(plan: list[ScheduledChunk]) -> list[AdapterSpec]:
@@ -138,3 +139,21 @@ class StepBuilder:
             token_slots=[slot_of[c.sequence.adapter_key] if c.sequence.spec else -1 for c in plan],
             adapters=[self.adapters.resident(spec) for spec in specs],
         )
+
+    def pages_only(self, plan: list[ScheduledChunk]) -> bool:
+        """Whether every token of the step can attend through the paged kernel (what a mixed-step graph does): no
+        sequence past a sliding window, which torch attends."""
+        window = self.cfg.sliding_window
+        return not window or all(c.sequence.num_computed + c.num_tokens <= window for c in plan)
+
+    def mixed_inputs(self, plan: list[ScheduledChunk], lists: StepLists) -> MixedInputs:
+        specs = distinct_specs(plan)
+        slot_of = {(s.name, s.sha256): i for i, s in enumerate(specs)}
+        table_rows: list[int] = []
+        token_slots: list[int] = []
+        for i, c in enumerate(plan):
+            table_rows += [i] * c.num_tokens
+            token_slots += [slot_of[c.sequence.adapter_key] if c.sequence.spec else -1] * c.num_tokens
+        return MixedInputs(input_ids=lists.ids, positions=lists.positions, kv_slots=lists.slots,
+                           table_rows=table_rows, block_tables=lists.pages, logits_rows=lists.logits_rows,
+                           token_slots=token_slots, adapters=[self.adapters.resident(spec) for spec in specs])

@@ -61,6 +61,7 @@ class HeadlineConfig:
     adapter_load_processes: int | None = None  # None: the engine's default for the device
     prefill_attention: str = "sdpa"  # EngineConfig.prefill_attention
     decode_lora_kernels: str = "bgmv"  # EngineConfig.decode_lora_kernels
+    mixed_step_graphs: bool = True  # EngineConfig.mixed_step_graphs
     slo_s: float = SLO_TTFT_S
     seed: int = 0
     skip_peft: bool = False
@@ -175,6 +176,7 @@ def run(cfg: HeadlineConfig, out: Path) -> dict:
                 adapter_load_processes=cfg.adapter_load_processes,
                 prefill_attention=cfg.prefill_attention,
                 decode_lora_kernels=cfg.decode_lora_kernels,
+                mixed_step_graphs=cfg.mixed_step_graphs,
                 max_model_len=cfg.input_range[1] + cfg.output_range[1] + 8,
             )
         )
@@ -356,6 +358,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[HeadlineConfig, Path]:
     p.add_argument("--adapter-load-processes", type=int)
     p.add_argument("--prefill-attention", choices=["sdpa", "paged"])
     p.add_argument("--decode-lora-kernels", choices=list(DECODE_FORMS))
+    p.add_argument("--no-mixed-step-graphs", action="store_false", dest="mixed_step_graphs", default=None,
+                   help="run prefill and mixed steps eagerly (EngineConfig.mixed_step_graphs=False)")
     p.add_argument("--slo", type=float, dest="slo_s")
     p.add_argument("--seed", type=int)
     p.add_argument("--skip-peft", action="store_true", default=None)

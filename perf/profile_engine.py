@@ -34,7 +34,7 @@ from perf.workload import WorkloadConfig, adapter_name, base_only, generate_trac
 
 @dataclass
 class StepRecord:
-    kind: str  # "graph", "eager" or "idle" (nothing could run: adapters loading)
+    kind: str  # "graph" (decode graph), "mixed" (mixed-step graph), "eager", "idle" (nothing ran: adapters loading)
     tokens: int
     seqs: int
     adapters: int
@@ -65,7 +65,7 @@ class RunProfile:
         phases = ("schedule_s", "build_s", "forward_s", "sample_s", "upload_s", "step_s")
         total = {p: sum(getattr(s, p) for s in steps) for p in phases}
         by_kind = {}
-        for kind in ("graph", "eager"):
+        for kind in ("graph", "mixed", "eager"):
             sel = [s for s in steps if s.kind == kind]
             if sel:
                 by_kind[kind] = {
@@ -160,6 +160,9 @@ class StepProfiler:
         self._timed(e.model, "forward", "forward_s", "forward_cpu_s")
         if e.graphs is not None:
             self._timed(e.graphs, "run", "forward_s", "forward_cpu_s")
+        if e.mixed_graphs is not None:
+            self._timed(e.mixed_graphs, "run", "forward_s", "forward_cpu_s")
+            self._timed(e.steps, "mixed_inputs", "build_s")
         self._timed(e, "_sample_and_emit", "sample_s")
         self._timed(e.adapters, "make_resident", "upload_s")
         for attr in ("_prefetch", "_drop_cancelled", "_drain_inbox"):
@@ -171,6 +174,7 @@ class StepProfiler:
             record = StepRecord(kind="idle", tokens=0, seqs=running_before, adapters=0)
             self._current = record
             compiles = self.compiles.count
+            replays = self._replays()
             plan_box: list = []
             schedule = e.scheduler.schedule
 
@@ -199,14 +203,20 @@ class StepProfiler:
                 record.tokens = sum(c.num_tokens for c in plan)
                 record.seqs = len(plan)
                 record.adapters = len({c.sequence.adapter_key for c in plan if c.sequence.spec})
-                decode_only = e.steps.is_decode_only(plan)
-                record.kind = "graph" if e.graphs is not None and decode_only and e.graphs.fits(len(plan)) else "eager"
+                decode, mixed = (after - before for after, before in zip(self._replays(), replays, strict=True))
+                record.kind = "graph" if decode else "mixed" if mixed else "eager"
             record.compiles = self.compiles.count - compiles
             if plan or not ran:
                 self.records.append(record)
             return ran
 
         e.step = profiled_step
+
+    def _replays(self) -> tuple[int, int]:
+        """Steps replayed so far from the decode graphs and from the mixed-step graphs."""
+        e = self.engine
+        return (sum(e.graphs.replays.values()) if e.graphs is not None else 0,
+                sum(e.mixed_graphs.replays.values()) if e.mixed_graphs is not None else 0)
 
     def trace_eager_steps(self, steps: int, min_adapters: int, out: Path) -> None:
         """Record the next ``steps`` eager steps with at least ``min_adapters`` adapters into ``out``."""
@@ -300,6 +310,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--admit-every-steps", type=int, default=1)
     p.add_argument("--prefill-attention", choices=["sdpa", "paged"], default="sdpa")
     p.add_argument("--decode-lora-kernels", choices=list(DECODE_FORMS), default="bgmv")
+    p.add_argument("--no-mixed-step-graphs", action="store_false", dest="mixed_step_graphs",
+                   help="run prefill and mixed steps eagerly (EngineConfig.mixed_step_graphs=False)")
     p.add_argument("--adapter-load-processes", type=int, default=None,
                    help="EngineConfig.adapter_load_processes (default: the engine's, by device)")
     p.add_argument("--trace-steps", type=int, default=0,
@@ -332,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
             max_loras=max_num_seqs, max_cpu_loras=d.get("max_cpu_loras"),
              admit_every_steps=a.admit_every_steps,
             prefill_attention=a.prefill_attention, adapter_load_processes=a.adapter_load_processes,
-            decode_lora_kernels=a.decode_lora_kernels,
+            decode_lora_kernels=a.decode_lora_kernels, mixed_step_graphs=a.mixed_step_graphs,
             max_model_len=d["input_range"][1] + d["output_range"][1] + 8))
         errors = engine.catalogue.register_all(catalogue, strict=False, workers=max(4, os.cpu_count() or 4))
         if errors:

@@ -1,0 +1,92 @@
+"""Mixed-step graphs (backend/step_graphs.py): prefill chunks and decodes in one padded, graph-shaped step.
+
+On the CPU (Triton interpreter) the engine's mixed steps go through ``MixedStepGraphs.run_eager``: the forward a
+graph captures, over the same padded buffers (bucket padding, per-token block-table rows, logits rows, adapter
+tables), with no graph. On a GPU (TRITON_INTERPRET=0) the engine captures and replays them. Either way the tokens
+must be PEFT's.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from backend.config import EngineConfig
+from backend.engine import Engine
+from backend.offline import generate
+from backend.request import GenerationRequest, SamplingParams
+from backend.step_graphs import MixedStepGraphs, token_buckets
+from backend.unified_pool import ReservedPage
+from model_factory import assert_pool_drained, make_base, peft_greedy, write_random_adapter
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def test_token_buckets_end_at_the_step_budget():
+    assert token_buckets(4096) == [64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096]
+    assert token_buckets(100) == [64, 100]
+    assert token_buckets(64) == [64]
+    assert token_buckets(10) == [10]
+
+
+def _attach_eager_mixed_graphs(engine: Engine) -> list[int]:
+    """CPU: give the engine mixed-step 'graphs' that run their forward over the padded buffers; returns the list
+    the bucket of each such step is appended to."""
+    cfg = engine.config
+    scratch = engine.pool.pages.allocate(ReservedPage("mixed-step padding"), 1)[0]
+    mixed = MixedStepGraphs(engine.model, engine.kv, scratch, cfg.max_num_batched_tokens, cfg.max_num_seqs,
+                            engine.kv.pages_needed(engine.max_len), cfg.max_loras, cfg.max_lora_rank)
+    buckets: list[int] = []
+    run_eager = mixed.run_eager
+
+    def run(inputs):
+        buckets.append(next(b for b in mixed.buckets if b >= len(inputs.input_ids)))
+        return run_eager(inputs)
+
+    mixed.run = run
+    engine.mixed_graphs = mixed
+    return buckets
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_mixed_steps_match_peft(tmp_path, device, family):
+    """Adapters of mixed ranks and base-only requests, prompts of 1 to 90 tokens (a step holds prefill chunks of
+    several sequences, decodes beside them, and chunks split over steps by the token budget): every token equals
+    PEFT's, steps of both buckets ran through the mixed path, and the pool ends empty. On the CPU (the interpreter
+    takes ~100 s a case) the Llama case only."""
+    if device == "cpu" and family != "llama":
+        pytest.skip("one family on the CPU (the interpreter is slow); both compiled")
+    extra = {"qwen3": {"head_dim": 24}}.get(family, {})
+    base = make_base(tmp_path / "base", family, seed=71, **extra)
+    rng = random.Random(family)
+    adapters = {f"m{i}": str(write_random_adapter(tmp_path / f"m{i}", base, rank=rank,
+                                                  targets=rng.sample(ALL, rng.randint(2, 7)), seed=80 + i))
+                for i, rank in enumerate([2, 8, 16])}
+    engine = Engine(EngineConfig(model_dir=str(base), adapters=adapters, device=device, dtype="float32",
+                                 kernels="triton", max_lora_rank=16, page_size=8, max_num_seqs=8,
+                                 max_num_batched_tokens=96, warmup=False), start=device != "cpu")
+    try:
+        buckets = None
+        if device == "cpu":
+            assert engine.mixed_graphs is None
+            buckets = _attach_eager_mixed_graphs(engine)
+            engine.start()
+        else:
+            assert engine.mixed_graphs is not None and engine.mixed_graphs.buckets == [64, 96]
+        names = [None, *adapters]
+        cases = [([0] + [rng.randrange(2, 290) for _ in range(n)], names[i % len(names)])
+                 for i, n in enumerate([90, 3, 40, 1, 17, 60, 8, 25])]
+        reqs = [GenerationRequest(f"x{i}", p, a, SamplingParams(max_tokens=6)) for i, (p, a) in enumerate(cases)]
+        results = generate(engine, reqs, timeout=900)
+        for (prompt, adapter), res in zip(cases, results, strict=True):
+            assert res.error is None, res.error
+            expected = peft_greedy(base, adapters[adapter] if adapter else None, prompt, 6)
+            assert res.token_ids == expected, f"adapter={adapter} prompt length {len(prompt)}"
+        if buckets is not None:
+            assert set(buckets) == {64, 96}, buckets
+        else:
+            assert engine.mixed_graphs.replays[True] >= 2, engine.mixed_graphs.replays
+        assert_pool_drained(engine)
+    finally:
+        engine.shutdown()
