@@ -12,11 +12,17 @@
 #                                            # A/B against BASE, kernel benchmark, the headline          ~9 min
 #   bash perf/h200/one_gpu.sh headline $OUT  # the headline (base-only, n = 5, 100, 1000, 2000), then the
 #                                            # engine thread's profile at n = 5 and n = 2000               ~9 min
+#   bash perf/h200/one_gpu.sh mixed $OUT     # mixed-step graphs: compiled tests, the headline with them and (n = 5,
+#                                            # 2000) without them, in one command                          ~9.5 min
+#   bash perf/h200/one_gpu.sh final $OUT     # the server's TTFT at 50/90% of SATURATION, the headline, and the
+#                                            # headline at n = 5, 2000 with LOAD_PROCESSES loaders       ~9.5 min
+#   bash perf/h200/one_gpu.sh profile $OUT   # engine step phases at n = 5 / 2000, cProfile + eager-step trace at
+#                                            # n = 2000, the server's TTFT at 50/90% of SATURATION       ~8 min
 #   bash perf/h200/one_gpu.sh server $OUT    # tritonserver: TTFT at 50/90% of SATURATION, perf_analyzer at
 #                                            # concurrency 16 and request rates PA_RATES                    ~8 min
 # DECODE_LORA (bgmv|sgmv) and PREFILL (sdpa|paged) pick the engine's kernels in the headline part.
 set -u
-PART=${1:?part: kernels, forms, expand, headline or server}
+PART=${1:?part: kernels, forms, expand, headline, mixed, final, profile or server}
 OUT=${2:-/tmp/h200}
 ROOT=$PWD
 BASE=${BASE:-$ROOT/.baseline_s9}
@@ -157,6 +163,79 @@ headline)
     echo "== headline"; grep -E "^\| engine|ratio|n=" "$W/headline/summary.md" | head -20
     echo "== profile"; grep -E "^==|phase|graph:|eager:" "$W/profile.txt"
   } > "$OUT/headline.txt" 2>&1
+  ;;
+mixed)
+  # mixed-step CUDA graphs (EngineConfig.mixed_step_graphs): their compiled tests (PEFT oracle), the headline with
+  # them, then without them (eager prefill / mixed steps, the previous behaviour) at n = 5 and 2000 in one command
+  PYTHONPATH=$ROOT TRITON_INTERPRET=0 timeout 180 python3 -m pytest -q -p no:cacheprovider \
+    tests/kernels/test_step_graphs.py tests/kernels/test_engine_kernels.py -k "not sgmv and not hybrid" \
+    > "$W/gpu_tests.txt" 2>&1
+  stamp "compiled tests" $?
+  mkdir -p "$W/work"
+  PYTHONPATH=$ROOT timeout 230 python3 -m perf.headline --shape llama3-8b --out "$W/headline" --workdir "$W/work" \
+    --adapters 5 100 1000 2000 --rate 24 --duration 12 --drain 15 --skip-peft --max-num-seqs 128 \
+    --admit-every-steps 4 > "$W/headline.txt" 2>&1
+  stamp "headline (mixed-step graphs)" $?
+  left=$((575 - ($(date +%s) - T0)))
+  PYTHONPATH=$ROOT timeout $((left > 30 ? left : 30)) python3 -m perf.headline --shape llama3-8b \
+    --out "$W/headline_eager" --workdir "$W/work" --adapters 5 2000 --rate 24 --duration 12 --drain 15 --skip-peft \
+    --max-num-seqs 128 --admit-every-steps 4 --no-mixed-step-graphs > "$W/headline_eager.txt" 2>&1
+  stamp "headline (eager mixed steps)" $?
+  rm -rf "$W/work"
+  {
+    cat "$W/gpu.txt" "$W/times.txt"
+    echo "== compiled tests"; grep -E "passed|failed|FAILED|rror" "$W/gpu_tests.txt" | tail -n 8
+    grep -E "captured|CUDA graphs" "$W/headline.txt" | head -3
+    echo "== headline, mixed-step graphs"; grep -E "^\| engine|ratio" "$W/headline/summary.md" | head -20
+    echo "== headline, eager mixed steps"; grep -E "^\| engine|ratio" "$W/headline_eager/summary.md" | head -20
+  } > "$OUT/mixed.txt" 2>&1
+  ;;
+final)
+  # the tree as it stands: the server's TTFT at FRACTIONS of SATURATION (no perf_analyzer), the headline, then the
+  # headline at n = 5 and 2000 with LOAD_PROCESSES adapter loader processes (the engine's default on this host: 4)
+  EXTRA_PARAMS=${EXTRA_PARAMS:-} PERF_ANALYZER=0 SATURATION=${SATURATION:-15.4} DURATION=${DURATION:-10} \
+    timeout 190 bash perf/h200/server_latency.sh "$W/server" > "$W/server_latency.txt" 2>&1
+  stamp "server latency" $?
+  mkdir -p "$W/work"
+  PYTHONPATH=$ROOT timeout 220 python3 -m perf.headline --shape llama3-8b --out "$W/headline" --workdir "$W/work" \
+    --adapters 5 100 1000 2000 --rate 24 --duration 12 --drain 15 --skip-peft --max-num-seqs 128 \
+    --admit-every-steps 4 > "$W/headline.txt" 2>&1
+  stamp "headline" $?
+  left=$((575 - ($(date +%s) - T0)))
+  PYTHONPATH=$ROOT timeout $((left > 30 ? left : 30)) python3 -m perf.headline --shape llama3-8b \
+    --out "$W/headline_procs" --workdir "$W/work" --adapters 5 2000 --rate 24 --duration 12 --drain 15 --skip-peft \
+    --max-num-seqs 128 --admit-every-steps 4 --adapter-load-processes "${LOAD_PROCESSES:-8}" \
+    > "$W/headline_procs.txt" 2>&1
+  stamp "headline (${LOAD_PROCESSES:-8} loader processes)" $?
+  rm -rf "$W/work"
+  {
+    cat "$W/gpu.txt" "$W/times.txt"
+    echo "== server"; grep -E "ready after|^\\|" "$W/server_latency.txt" | sort -u
+    echo "== headline"; grep -E "^\| engine|ratio" "$W/headline/summary.md" | head -20
+    echo "== headline, ${LOAD_PROCESSES:-8} loader processes"; grep -E "^\| engine|ratio" "$W/headline_procs/summary.md"
+  } > "$OUT/final.txt" 2>&1
+  ;;
+profile)
+  # where the engine's time goes on this tree: step phases at n = 5 and n = 2000 (synchronising timers), then
+  # n = 2000 again under cProfile with torch.profiler tables of a few eager steps, then the server's TTFT at
+  # FRACTIONS of SATURATION (no perf_analyzer)
+  PYTHONPATH=$ROOT timeout 200 python3 -m perf.profile_engine --shape llama3-8b --rate 24 --duration 12 --drain 15 \
+    --max-num-seqs 128 --admit-every-steps 4 --adapters 5 2000 --out "$W/phases" > "$W/phases.txt" 2>&1
+  stamp "profile phases" $?
+  PYTHONPATH=$ROOT timeout 150 python3 -m perf.profile_engine --shape llama3-8b --rate 24 --duration 12 --drain 15 \
+    --max-num-seqs 128 --admit-every-steps 4 --adapters 2000 --python-profile --trace-steps 3 \
+    --out "$W/cprofile" > "$W/cprofile.txt" 2>&1
+  stamp "profile cProfile + trace" $?
+  left=$((560 - ($(date +%s) - T0)))
+  EXTRA_PARAMS=${EXTRA_PARAMS:-} PERF_ANALYZER=0 SATURATION=${SATURATION:-15} DURATION=${DURATION:-10} \
+    timeout $((left > 60 ? left : 60)) bash perf/h200/server_latency.sh "$W/server" > "$W/server_latency.txt" 2>&1
+  stamp "server latency" $?
+  {
+    cat "$W/gpu.txt" "$W/times.txt"
+    echo "== phases"; grep -E "^==|phase|graph:|eager:|idle|upload|load" "$W/phases.txt" | head -40
+    echo "== cProfile top"; head -45 "$W/cprofile/python_profile.txt" 2>/dev/null | cut -c1-150
+    echo "== server"; grep -E "ready after|^\\|" "$W/server_latency.txt" | sort -u
+  } > "$OUT/profile.txt" 2>&1
   ;;
 server)
   EXTRA_PARAMS=${EXTRA_PARAMS:-} PERF_ANALYZER=1 PA_RATES=${PA_RATES:-"2 4 6 8"} SATURATION=${SATURATION:-14} \
