@@ -63,11 +63,27 @@ class AdapterTables:
         self.scalings[:, :, :s] = torch.stack([a.scalings for a in adapters], dim=2)
 
 
+def capture_forward(model: LlamaModel, kv: PagedKVCache, batch: StepBatch, lora: LoraBatch | None,
+                    pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Two warm-up forwards of batch on a side stream (they compile kernels and fill launcher caches), then one
+    captured into a new graph in memory pool ``pool``; returns the graph and its logits (rewritten by each replay)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            model.forward(batch, kv, lora)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        logits = model.forward(batch, kv, lora)
+    return graph, logits
+
+
 class _Graph:
     def __init__(self, size: int, with_lora: bool) -> None:
         self.size = size
         self.with_lora = with_lora
-        self.graph = torch.cuda.CUDAGraph()
+        self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 
 
@@ -119,15 +135,8 @@ class DecodeGraphs:
 
     def _capture(self, size: int, with_lora: bool) -> None:
         g = _Graph(size, with_lora)
-        batch, lora = self._batch(size), (self._lora(size) if with_lora else None)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up: compiles kernels, fills launcher caches
-                self.model.forward(batch, self.kv, lora)
-        torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(g.graph, pool=self._pool):
-            g.logits = self.model.forward(batch, self.kv, lora)
+        g.graph, g.logits = capture_forward(self.model, self.kv, self._batch(size),
+                                            self._lora(size) if with_lora else None, self._pool)
         self._graphs[(size, with_lora)] = g
 
     def _reset_padding(self, size: int) -> None:

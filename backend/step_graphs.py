@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.adapter_pool import ResidentAdapter
-from backend.cuda_graphs import AdapterTables
+from backend.cuda_graphs import AdapterTables, capture_forward
 from backend.kv_cache import PagedKVCache
 from backend.lora_batch import LoraBatch
 from backend.models.llama import LlamaModel
@@ -51,12 +51,6 @@ class MixedInputs:
     adapters: list[ResidentAdapter]  # the slots' adapters
 
 
-class _Graph:
-    def __init__(self) -> None:
-        self.graph = torch.cuda.CUDAGraph()
-        self.logits: torch.Tensor | None = None
-
-
 class MixedStepGraphs:
     """Captures and replays mixed steps of up to ``max_tokens`` tokens from up to ``max_seqs`` sequences."""
 
@@ -79,7 +73,7 @@ class MixedStepGraphs:
         self.block_tables = torch.full((max_seqs + 1, max_blocks), scratch_page, dtype=torch.int32, device=dev)
         self.logits_rows = torch.zeros(max_seqs, dtype=torch.int64, device=dev)
         self.tables = AdapterTables(model.cfg, max_loras, max_rank, dev)
-        self._graphs: dict[tuple[int, bool], _Graph] = {}
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (graph, logits)
         self._pool = torch.cuda.graph_pool_handle() if dev.startswith("cuda") else None
         self.replays = {False: 0, True: 0}  # mixed steps replayed, without and with LoRA
 
@@ -100,17 +94,8 @@ class MixedStepGraphs:
         self._reset_padding(self.buckets[-1])
         for size in reversed(self.buckets):
             for with_lora in (True, False):
-                g = _Graph()
-                batch, lora = self._batch(size), (self._lora(size) if with_lora else None)
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    for _ in range(2):  # warm-up: compiles kernels, fills launcher caches
-                        self.model.forward(batch, self.kv, lora)
-                torch.cuda.current_stream().wait_stream(stream)
-                with torch.cuda.graph(g.graph, pool=self._pool):
-                    g.logits = self.model.forward(batch, self.kv, lora)
-                self._graphs[(size, with_lora)] = g
+                self._graphs[(size, with_lora)] = capture_forward(
+                    self.model, self.kv, self._batch(size), self._lora(size) if with_lora else None, self._pool)
         log.info("captured mixed-step graphs for %s tokens", self.buckets)
 
     def _reset_padding(self, size: int) -> None:
@@ -154,9 +139,10 @@ class MixedStepGraphs:
         checked ``fits`` (and that every sequence can take the paged path)."""
         size = self.load(inputs)
         with_lora = bool(inputs.adapters)
-        self._graphs[(size, with_lora)].graph.replay()
+        graph, logits = self._graphs[(size, with_lora)]
+        graph.replay()
         self.replays[with_lora] += 1
-        return self._graphs[(size, with_lora)].logits[: len(inputs.logits_rows)]
+        return logits[: len(inputs.logits_rows)]
 
     def run_eager(self, inputs: MixedInputs) -> torch.Tensor:
         """``run`` without a graph: the captured step's forward over the same padded buffers (what the CPU tests

@@ -111,6 +111,22 @@ def peft_greedy(base_dir: Path, adapter_dir: Path | None, prompt_ids: list[int],
     return new
 
 
+def assert_generations_match_peft(engine, base_dir: Path, adapters: dict[str, str],
+                                  cases: list[tuple[list[int], str | None]], max_tokens: int, prefix: str) -> None:
+    """Generate every (prompt ids, adapter name or None) case greedily through the engine at once (requests
+    ``prefix``0, 1, ...) and check each against the PEFT oracle."""
+    from backend.offline import generate
+    from backend.request import GenerationRequest, SamplingParams
+
+    reqs = [GenerationRequest(f"{prefix}{i}", p, a, SamplingParams(max_tokens=max_tokens))
+            for i, (p, a) in enumerate(cases)]
+    results = generate(engine, reqs, timeout=900)
+    for (prompt, adapter), res in zip(cases, results, strict=True):
+        assert res.error is None, res.error
+        expected = peft_greedy(base_dir, adapters[adapter] if adapter else None, prompt, max_tokens)
+        assert res.token_ids == expected, f"adapter={adapter} prompt length {len(prompt)}"
+
+
 def assert_pool_drained(engine) -> None:
     """No KV page left behind, page bookkeeping consistent, every idle adapter evictable."""
     pool = engine.pool

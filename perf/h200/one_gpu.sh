@@ -31,6 +31,15 @@ mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=0
 T0=$(date +%s)
 stamp() { echo "$1 rc=$2 at $(($(date +%s) - T0)) s" >> "$W/times.txt"; }
+# headline NAME TIMEOUT_S ARGS...: perf.headline on the headline's workload (S-LoRA's, 288 requests offered at
+# 24 req/s for 12 s, then drained) into $W/NAME, its log $W/NAME.txt; ARGS add --adapters and any engine options
+headline() {
+  local name=$1 limit=$2
+  shift 2
+  mkdir -p "$W/work"
+  PYTHONPATH=$ROOT timeout "$limit" python3 -m perf.headline --shape llama3-8b --out "$W/$name" --workdir "$W/work" \
+    --rate 24 --duration 12 --drain 15 --skip-peft --max-num-seqs 128 --admit-every-steps 4 "$@" > "$W/$name.txt" 2>&1
+}
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv > "$W/gpu.txt" 2>&1
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' >> "$W/gpu.txt" 2>&1
 
@@ -88,13 +97,10 @@ print(min(ok, key=ok.get) if ok else "bgmv")
 EOF2
 )
   echo "headline form: $FORM" >> "$W/times.txt"
-  mkdir -p "$W/work"
   left=$((520 - ($(date +%s) - T0)))
   # FORM passed its compiled tests above (or is bgmv): the engine may run it with the experimental flag
-  MANYLORA_EXPERIMENTAL_DECODE_FORMS=1 PYTHONPATH=$ROOT timeout $((left > 60 ? left : 60)) python3 -m perf.headline \
-    --shape llama3-8b --out "$W/headline" --workdir "$W/work" --adapters 5 100 1000 2000 --rate 24 --duration 12 \
-    --drain 15 --skip-peft --max-num-seqs 128 --admit-every-steps 4 --decode-lora-kernels "$FORM" \
-    > "$W/headline.txt" 2>&1
+  MANYLORA_EXPERIMENTAL_DECODE_FORMS=1 headline headline $((left > 60 ? left : 60)) --adapters 5 100 1000 2000 \
+    --decode-lora-kernels "$FORM"
   stamp "headline ($FORM)" $?
   rm -rf "$W/work"
   PYTHONPATH=$ROOT timeout 30 python3 perf/bench_kernels.py --quick --forms bgmv,sgmv-device --rep-ms 5 \
@@ -128,11 +134,8 @@ expand)
   PYTHONPATH=$ROOT timeout 40 python3 perf/bench_kernels.py --quick --rep-ms 5 --out "$W/kernels_new.jsonl" \
     > "$W/kernels_new.txt" 2>&1
   stamp "bench_kernels new" $?
-  mkdir -p "$W/work"
   left=$((570 - ($(date +%s) - T0)))
-  PYTHONPATH=$ROOT timeout $((left > 60 ? left : 60)) python3 -m perf.headline --shape llama3-8b --out "$W/headline" \
-    --workdir "$W/work" --adapters 5 100 1000 2000 --rate 24 --duration 12 --drain 15 --skip-peft \
-    --max-num-seqs 128 --admit-every-steps 4 > "$W/headline.txt" 2>&1
+  headline headline $((left > 60 ? left : 60)) --adapters 5 100 1000 2000
   stamp "headline" $?
   rm -rf "$W/work"
   {
@@ -146,11 +149,8 @@ expand)
   } > "$OUT/expand.txt" 2>&1
   ;;
 headline)
-  mkdir -p "$W/work"
-  PYTHONPATH=$ROOT timeout 330 python3 -m perf.headline --shape llama3-8b --out "$W/headline" --workdir "$W/work" \
-    --adapters 5 100 1000 2000 --rate 24 --duration 12 --drain 15 --skip-peft --max-num-seqs 128 \
-    --admit-every-steps 4 --decode-lora-kernels "${DECODE_LORA:-bgmv}" --prefill-attention "${PREFILL:-sdpa}" \
-    > "$W/headline.txt" 2>&1
+  headline headline 330 --adapters 5 100 1000 2000 --decode-lora-kernels "${DECODE_LORA:-bgmv}" \
+    --prefill-attention "${PREFILL:-sdpa}"
   stamp "headline" $?
   rm -rf "$W/work"
   left=$((560 - ($(date +%s) - T0)))
@@ -171,15 +171,10 @@ mixed)
     tests/kernels/test_step_graphs.py tests/kernels/test_engine_kernels.py -k "not sgmv and not hybrid" \
     > "$W/gpu_tests.txt" 2>&1
   stamp "compiled tests" $?
-  mkdir -p "$W/work"
-  PYTHONPATH=$ROOT timeout 230 python3 -m perf.headline --shape llama3-8b --out "$W/headline" --workdir "$W/work" \
-    --adapters 5 100 1000 2000 --rate 24 --duration 12 --drain 15 --skip-peft --max-num-seqs 128 \
-    --admit-every-steps 4 > "$W/headline.txt" 2>&1
+  headline headline 230 --adapters 5 100 1000 2000
   stamp "headline (mixed-step graphs)" $?
   left=$((575 - ($(date +%s) - T0)))
-  PYTHONPATH=$ROOT timeout $((left > 30 ? left : 30)) python3 -m perf.headline --shape llama3-8b \
-    --out "$W/headline_eager" --workdir "$W/work" --adapters 5 2000 --rate 24 --duration 12 --drain 15 --skip-peft \
-    --max-num-seqs 128 --admit-every-steps 4 --no-mixed-step-graphs > "$W/headline_eager.txt" 2>&1
+  headline headline_eager $((left > 30 ? left : 30)) --adapters 5 2000 --no-mixed-step-graphs
   stamp "headline (eager mixed steps)" $?
   rm -rf "$W/work"
   {
@@ -196,16 +191,10 @@ final)
   EXTRA_PARAMS=${EXTRA_PARAMS:-} PERF_ANALYZER=0 SATURATION=${SATURATION:-15.4} DURATION=${DURATION:-10} \
     timeout 190 bash perf/h200/server_latency.sh "$W/server" > "$W/server_latency.txt" 2>&1
   stamp "server latency" $?
-  mkdir -p "$W/work"
-  PYTHONPATH=$ROOT timeout 220 python3 -m perf.headline --shape llama3-8b --out "$W/headline" --workdir "$W/work" \
-    --adapters 5 100 1000 2000 --rate 24 --duration 12 --drain 15 --skip-peft --max-num-seqs 128 \
-    --admit-every-steps 4 > "$W/headline.txt" 2>&1
+  headline headline 220 --adapters 5 100 1000 2000
   stamp "headline" $?
   left=$((575 - ($(date +%s) - T0)))
-  PYTHONPATH=$ROOT timeout $((left > 30 ? left : 30)) python3 -m perf.headline --shape llama3-8b \
-    --out "$W/headline_procs" --workdir "$W/work" --adapters 5 2000 --rate 24 --duration 12 --drain 15 --skip-peft \
-    --max-num-seqs 128 --admit-every-steps 4 --adapter-load-processes "${LOAD_PROCESSES:-8}" \
-    > "$W/headline_procs.txt" 2>&1
+  headline headline_procs $((left > 30 ? left : 30)) --adapters 5 2000 --adapter-load-processes "${LOAD_PROCESSES:-8}"
   stamp "headline (${LOAD_PROCESSES:-8} loader processes)" $?
   rm -rf "$W/work"
   {

@@ -14,7 +14,13 @@ from backend.config import EngineConfig, experimental_decode_forms_allowed
 from backend.engine import Engine
 from backend.offline import generate
 from backend.request import GenerationRequest, SamplingParams
-from model_factory import assert_pool_drained, make_base, peft_greedy, write_random_adapter
+from model_factory import (
+    assert_generations_match_peft,
+    assert_pool_drained,
+    make_base,
+    peft_greedy,
+    write_random_adapter,
+)
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -56,12 +62,7 @@ def test_kernel_path_matches_peft(tmp_path, device, family, prefill_attention, f
             # one long prompt makes a prefill step of >= 64 tokens: the segmented (SGMV) kernels
             length = 70 if i == 0 else rng.randint(1, 12)
             cases.append(([0] + [rng.randrange(2, 290) for _ in range(length)], names[i % len(names)]))
-        reqs = [GenerationRequest(f"k{i}", p, a, SamplingParams(max_tokens=8)) for i, (p, a) in enumerate(cases)]
-        results = generate(engine, reqs, timeout=900)
-        for (prompt, adapter), res in zip(cases, results, strict=True):
-            assert res.error is None, res.error
-            expected = peft_greedy(base, adapters[adapter] if adapter else None, prompt, 8)
-            assert res.token_ids == expected, f"adapter={adapter} prompt length {len(prompt)}"
+        assert_generations_match_peft(engine, base, adapters, cases, 8, "k")
         assert_pool_drained(engine)
     finally:
         engine.shutdown()

@@ -14,11 +14,9 @@ import pytest
 
 from backend.config import EngineConfig
 from backend.engine import Engine
-from backend.offline import generate
-from backend.request import GenerationRequest, SamplingParams
 from backend.step_graphs import MixedStepGraphs, token_buckets
 from backend.unified_pool import ReservedPage
-from model_factory import assert_pool_drained, make_base, peft_greedy, write_random_adapter
+from model_factory import assert_generations_match_peft, assert_pool_drained, make_base, write_random_adapter
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -77,12 +75,7 @@ def test_mixed_steps_match_peft(tmp_path, device, family):
         names = [None, *adapters]
         cases = [([0] + [rng.randrange(2, 290) for _ in range(n)], names[i % len(names)])
                  for i, n in enumerate([90, 3, 40, 1, 17, 60, 8, 25])]
-        reqs = [GenerationRequest(f"x{i}", p, a, SamplingParams(max_tokens=6)) for i, (p, a) in enumerate(cases)]
-        results = generate(engine, reqs, timeout=900)
-        for (prompt, adapter), res in zip(cases, results, strict=True):
-            assert res.error is None, res.error
-            expected = peft_greedy(base, adapters[adapter] if adapter else None, prompt, 6)
-            assert res.token_ids == expected, f"adapter={adapter} prompt length {len(prompt)}"
+        assert_generations_match_peft(engine, base, adapters, cases, 6, "x")
         if buckets is not None:
             assert set(buckets) == {64, 96}, buckets
         else:
