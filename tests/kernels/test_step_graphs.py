@@ -14,7 +14,7 @@ import pytest
 
 from backend.config import EngineConfig
 from backend.engine import Engine
-from backend.step_graphs import MixedStepGraphs, token_buckets
+from backend.step_graphs import MixedInputs, MixedStepGraphs, token_buckets
 from backend.unified_pool import ReservedPage
 from model_factory import assert_generations_match_peft, assert_pool_drained, make_base, write_random_adapter
 
@@ -81,5 +81,48 @@ def test_mixed_steps_match_peft(tmp_path, device, family):
         else:
             assert engine.mixed_graphs.replays[True] >= 2, engine.mixed_graphs.replays
         assert_pool_drained(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_load_pads_the_step_to_its_bucket(tmp_path):
+    """What a replay reads after ``load``: the real tokens' ids, positions, KV slots, sequence rows (context = own
+    position + 1) and adapter slots, then padding up to the bucket that writes and reads only the scratch page and
+    has no adapter; each sequence's block table (short ones padded with the scratch page) beside the padding row;
+    the sampled rows, then row 0."""
+    base = make_base(tmp_path / "base", "llama", seed=3)
+    engine = Engine(EngineConfig(model_dir=str(base), device="cpu", dtype="float32", max_num_seqs=4,
+                                 max_num_batched_tokens=100, page_size=8, warmup=False), start=False)
+    try:
+        scratch = engine.pool.pages.allocate(ReservedPage("mixed-step padding"), 1)[0]
+        mixed = MixedStepGraphs(engine.model, engine.kv, scratch, 100, 4, 6, 2, 16)
+        rng = random.Random(9)
+        # a 5-token prefill chunk of sequence 0 (positions 3..7) and a decode of sequence 1 (position 20)
+        positions = [3, 4, 5, 6, 7, 20]
+        ids = [rng.randrange(2, 200) for _ in positions]
+        kv_slots = [rng.randrange(0, 400) for _ in positions]
+        tables = [[5, 9], [2, 7, 11]]
+        size = mixed.load(MixedInputs(input_ids=ids, positions=positions, kv_slots=kv_slots,
+                                      table_rows=[0] * 5 + [1], block_tables=tables, logits_rows=[4, 5],
+                                      token_slots=[1] * 5 + [-1], adapters=[]))
+        assert size == 64 and mixed.buckets == [64, 100]
+        n, pad = len(ids), slice(len(ids), 64)
+        assert mixed.input_ids[:n].tolist() == ids and mixed.positions[:n].tolist() == positions
+        assert mixed.kv_slots[:n].tolist() == kv_slots
+        assert mixed.seq_lens[:n].tolist() == [p + 1 for p in positions]
+        assert mixed.table_rows[:n].tolist() == [0] * 5 + [1]
+        assert mixed.token_slots[:n].tolist() == [1] * 5 + [-1]
+        assert set(mixed.kv_slots[pad].tolist()) == {scratch * engine.kv.page_size}
+        assert set(mixed.seq_lens[pad].tolist()) == {1} and set(mixed.token_slots[pad].tolist()) == {-1}
+        assert set(mixed.table_rows[pad].tolist()) == {4}  # the padding row, after max_seqs sequences
+        assert mixed.block_tables[0, :3].tolist() == [5, 9, scratch]
+        assert mixed.block_tables[1, :3].tolist() == [2, 7, 11]
+        assert set(mixed.block_tables[4].tolist()) == {scratch}
+        assert mixed.logits_rows.tolist() == [4, 5, 0, 0]
+        # a smaller step next: the last one's tokens past it are padding again
+        mixed.load(MixedInputs(input_ids=[7], positions=[8], kv_slots=[3], table_rows=[0], block_tables=[[5, 9]],
+                               logits_rows=[0], token_slots=[-1], adapters=[]))
+        assert mixed.seq_lens[:6].tolist() == [9, 1, 1, 1, 1, 1] and mixed.logits_rows.tolist() == [0, 0, 0, 0]
+        assert set(mixed.table_rows[1:64].tolist()) == {4}
     finally:
         engine.shutdown()
