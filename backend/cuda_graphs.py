@@ -109,7 +109,7 @@ class DecodeGraphs:
         self.tables = AdapterTables(cfg, max_loras, max_rank, dev)
         self._expressible: dict[object, bool] = {}  # adapter key -> whether the fused MoE-LoRA kernel takes it
         self._graphs: dict[tuple[int, bool], _Graph] = {}
-        self._pool = torch.cuda.graph_pool_handle()
+        self._pool = torch.cuda.graph_pool_handle() if dev.startswith("cuda") else None
         self.replays = {False: 0, True: 0}  # decode steps replayed, without and with LoRA
 
     def _batch(self, size: int) -> StepBatch:
@@ -168,13 +168,10 @@ class DecodeGraphs:
                 return False
         return True
 
-    def run(self, inputs: DecodeInputs) -> torch.Tensor:
-        """Replay the smallest graph that holds the batch; float32 logits [batch, vocab]. The caller has checked
-        ``fits`` and ``serves``."""
+    def load(self, inputs: DecodeInputs) -> int:
+        """Copy a decode step's inputs into the buffers, padding to the smallest bucket that holds it; returns it."""
         n = inputs.input_ids.numel()
         size = next(b for b in self.buckets if b >= n)
-        with_lora = bool(inputs.adapters)
-        g = self._graphs[(size, with_lora)]
         self._reset_padding(size)
         self.input_ids[:n] = inputs.input_ids
         self.positions[:n] = inputs.positions
@@ -184,9 +181,24 @@ class DecodeGraphs:
                               dtype=torch.int32)
         self.block_tables[:n, :width].copy_(tables, non_blocking=True)
         self.seq_lens[:n].copy_(torch.tensor(inputs.seq_lens, dtype=torch.int32), non_blocking=True)
-        if with_lora:
+        if inputs.adapters:
             self.token_slots[:n].copy_(torch.tensor(inputs.token_slots, dtype=torch.int32), non_blocking=True)
             self.tables.fill(inputs.adapters)
+        return size
+
+    def run(self, inputs: DecodeInputs) -> torch.Tensor:
+        """Replay the smallest graph that holds the batch; float32 logits [batch, vocab]. The caller has checked
+        ``fits`` and ``serves``."""
+        size = self.load(inputs)
+        with_lora = bool(inputs.adapters)
+        g = self._graphs[(size, with_lora)]
         g.graph.replay()
         self.replays[with_lora] += 1
-        return g.logits[:n]
+        return g.logits[: inputs.input_ids.numel()]
+
+    def run_eager(self, inputs: DecodeInputs) -> torch.Tensor:
+        """``run`` without a graph: the captured step's forward over the same padded buffers and tables (what the CPU
+        tests check against PEFT under the Triton interpreter, the segmented forms' on-device grouping included)."""
+        size = self.load(inputs)
+        lora = self._lora(size) if inputs.adapters else None
+        return self.model.forward(self._batch(size), self.kv, lora)[: inputs.input_ids.numel()]
