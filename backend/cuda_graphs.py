@@ -79,14 +79,6 @@ def capture_forward(model: LlamaModel, kv: PagedKVCache, batch: StepBatch, lora:
     return graph, logits
 
 
-class _Graph:
-    def __init__(self, size: int, with_lora: bool) -> None:
-        self.size = size
-        self.with_lora = with_lora
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: torch.Tensor | None = None
-
-
 class DecodeGraphs:
     """Captures and replays decode steps for batch sizes up to max_batch."""
 
@@ -108,7 +100,7 @@ class DecodeGraphs:
         self.expert_lora = cfg.is_moe  # an MoE base's experts' LoRA is in the graph
         self.tables = AdapterTables(cfg, max_loras, max_rank, dev)
         self._expressible: dict[object, bool] = {}  # adapter key -> whether the fused MoE-LoRA kernel takes it
-        self._graphs: dict[tuple[int, bool], _Graph] = {}
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (graph, logits)
         self._pool = torch.cuda.graph_pool_handle() if dev.startswith("cuda") else None
         self.replays = {False: 0, True: 0}  # decode steps replayed, without and with LoRA
 
@@ -134,10 +126,8 @@ class DecodeGraphs:
         log.info("captured decode graphs for batch sizes %s", self.buckets)
 
     def _capture(self, size: int, with_lora: bool) -> None:
-        g = _Graph(size, with_lora)
-        g.graph, g.logits = capture_forward(self.model, self.kv, self._batch(size),
-                                            self._lora(size) if with_lora else None, self._pool)
-        self._graphs[(size, with_lora)] = g
+        self._graphs[(size, with_lora)] = capture_forward(self.model, self.kv, self._batch(size),
+                                                          self._lora(size) if with_lora else None, self._pool)
 
     def _reset_padding(self, size: int) -> None:
         page_size = self.kv.page_size
@@ -191,10 +181,10 @@ class DecodeGraphs:
         ``fits`` and ``serves``."""
         size = self.load(inputs)
         with_lora = bool(inputs.adapters)
-        g = self._graphs[(size, with_lora)]
-        g.graph.replay()
+        graph, logits = self._graphs[(size, with_lora)]
+        graph.replay()
         self.replays[with_lora] += 1
-        return g.logits[: inputs.input_ids.numel()]
+        return logits[: inputs.input_ids.numel()]
 
     def run_eager(self, inputs: DecodeInputs) -> torch.Tensor:
         """``run`` without a graph: the captured step's forward over the same padded buffers and tables (what the CPU

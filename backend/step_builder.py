@@ -25,6 +25,20 @@ def distinct_specs(plan: list[ScheduledChunk]) -> list[AdapterSpec]:
     return [by_key[k] for k in sorted(by_key)]
 
 
+def chunk_slots(plan: list[ScheduledChunk], specs: list[AdapterSpec]) -> list[int]:
+    """Each chunk's adapter slot (its spec's index in ``specs``, from ``distinct_specs``), -1 for base-only."""
+    slot_of = {(s.name, s.sha256): i for i, s in enumerate(specs)}
+    return [slot_of[c.sequence.adapter_key] if c.sequence.spec else -1 for c in plan]
+
+
+def per_token(plan: list[ScheduledChunk], values: list[int]) -> list[int]:
+    """A value per chunk (its slot, its index) repeated for each of the chunk's tokens."""
+    out: list[int] = []
+    for c, value in zip(plan, values, strict=True):
+        out += [value] * c.num_tokens
+    return out
+
+
 @dataclass
 class StepLists:
     """Per-token and per-sequence lists of one step, before they become tensors."""
@@ -58,12 +72,8 @@ class StepBuilder:
         if not specs:
             return None
         resident = [self.adapters.resident(spec) for spec in specs]
-        slot_of = {(s.name, s.sha256): i for i, s in enumerate(specs)}
-        token_slots: list[int] = []
-        for c in plan:
-            token_slots += [slot_of[c.sequence.adapter_key] if c.sequence.spec else -1] * c.num_tokens
-        return LoraBatch(token_slots, resident, self.pool.storage, self.device, use_kernels=self.use_kernels,
-                         decode_form=self.decode_form)
+        return LoraBatch(per_token(plan, chunk_slots(plan, specs)), resident, self.pool.storage, self.device,
+                         use_kernels=self.use_kernels, decode_form=self.decode_form)
 
     def gather(self, plan: list[ScheduledChunk]) -> StepLists:
         """Token ids, positions and KV slots of the step, and each sequence's pages."""
@@ -85,8 +95,8 @@ class StepBuilder:
         return lists
 
     def is_decode_only(self, plan: list[ScheduledChunk]) -> bool:
-        window = self.cfg.sliding_window
-        return all(c.num_tokens == 1 and not (window and c.sequence.num_computed + 1 > window) for c in plan)
+        """One token per sequence, every one attended through the paged kernel (what a decode graph does)."""
+        return all(c.num_tokens == 1 for c in plan) and self.pages_only(plan)
 
     def step_batch(self, plan: list[ScheduledChunk], lists: StepLists) -> StepBatch:
         dev = self.device
@@ -129,14 +139,13 @@ class StepBuilder:
 
     def graph_inputs(self, plan: list[ScheduledChunk], lists: StepLists) -> DecodeInputs:
         specs = distinct_specs(plan)
-        slot_of = {(s.name, s.sha256): i for i, s in enumerate(specs)}
         return DecodeInputs(
             input_ids=torch.tensor(lists.ids, dtype=torch.int64),
             positions=torch.tensor(lists.positions, dtype=torch.int64),
             kv_slots=torch.tensor(lists.slots, dtype=torch.int64),
             block_tables=lists.pages,
             seq_lens=lists.ends,
-            token_slots=[slot_of[c.sequence.adapter_key] if c.sequence.spec else -1 for c in plan],
+            token_slots=chunk_slots(plan, specs),
             adapters=[self.adapters.resident(spec) for spec in specs],
         )
 
@@ -148,12 +157,7 @@ class StepBuilder:
 
     def mixed_inputs(self, plan: list[ScheduledChunk], lists: StepLists) -> MixedInputs:
         specs = distinct_specs(plan)
-        slot_of = {(s.name, s.sha256): i for i, s in enumerate(specs)}
-        table_rows: list[int] = []
-        token_slots: list[int] = []
-        for i, c in enumerate(plan):
-            table_rows += [i] * c.num_tokens
-            token_slots += [slot_of[c.sequence.adapter_key] if c.sequence.spec else -1] * c.num_tokens
         return MixedInputs(input_ids=lists.ids, positions=lists.positions, kv_slots=lists.slots,
-                           table_rows=table_rows, block_tables=lists.pages, logits_rows=lists.logits_rows,
-                           token_slots=token_slots, adapters=[self.adapters.resident(spec) for spec in specs])
+                           table_rows=per_token(plan, list(range(len(plan)))), block_tables=lists.pages,
+                           logits_rows=lists.logits_rows, token_slots=per_token(plan, chunk_slots(plan, specs)),
+                           adapters=[self.adapters.resident(spec) for spec in specs])
