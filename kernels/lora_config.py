@@ -13,7 +13,7 @@ import triton
 
 from kernels.lora_meta import cdiv, sgmv_block_m
 
-__all__ = ["NUM_SMS", "expand_config", "grid_split", "shrink_config", "shrink_meta"]
+__all__ = ["NUM_SMS", "bgmv_tile_expand_config", "expand_config", "grid_split", "shrink_config", "shrink_meta"]
 
 NUM_SMS = 132  # H200; the heuristics only need the order of magnitude
 _TARGET_PROGRAMS = 4 * NUM_SMS
@@ -72,29 +72,49 @@ def shrink_config(*args, **kwargs) -> dict[str, int]:
     return dict(_shrink_config_cached(*args, **kwargs))
 
 
+# BGMV expand launches of at most this many output elements (tokens x slices x widest slice) take the tile body:
+# measured on the H200 (perf/results/2026-12-01-h200/9_rows, perf/bench_kernels.py --sweep-expand, rank 16) the tile
+# was 0.5-0.7 us faster at 1 token (2.3-3.6 against 2.9-4.3 us) and for o / down at 16 tokens (3.8-4.0 against
+# 4.4-4.6), the row body faster from q/k/v and gate/up at 16 tokens (4.7 / 6.6 against 4.8 / 8.7 us) up
+_BGMV_EXPAND_TILE_MAX_ELEMENTS = 131072
+
+
+def bgmv_tile_expand_config(num_tokens: int, max_out: int, max_rank: int, num_slices: int) -> dict[str, object]:
+    """The BGMV expand's tile body (ROWS False: a [BLOCK_R, BLOCK_N] tile of B^T rows, about 4096 elements, reduced
+    over the rank, plain loads); BLOCK_N shrinks (down to 64) while the grid (tokens x N blocks x slices) of a wide
+    layer has fewer than ~4 programs per SM."""
+    block_r = min(32, triton.next_power_of_2(max(1, max_rank)))
+    block_n = max(128, min(512, 4096 // block_r))
+    while block_n > 64 and max_out >= 1024 and num_tokens * num_slices * cdiv(max_out, block_n) < _TARGET_PROGRAMS:
+        block_n //= 2
+    return {"ROWS": False, "BLOCK_R": block_r, "BLOCK_N": min(block_n, max(16, triton.next_power_of_2(max_out))),
+            "num_warps": 4}  # fmt: skip
+
+
 @functools.lru_cache(maxsize=4096)
 def _expand_config_cached(
     num_tokens: int, max_out: int, max_rank: int, segmented: bool, max_seg_len: int = 0, num_slices: int = 1
-) -> dict[str, int]:
+) -> dict[str, object]:
     """Block sizes for ``lora_expand`` (a plain heuristic; tl.dot tiles stay >= 16).
 
-    BGMV: a [BLOCK_R, BLOCK_N] tile of B^T rows is about 4096 elements; BLOCK_N shrinks (down
-    to 64) while the grid (tokens x N blocks x slices) of a wide layer has fewer than ~4
-    programs per SM.
+    BGMV: small launches take the tile body (``bgmv_tile_expand_config``); the others stream B^T row by row
+    (``bgmv_expand_rows``, ROWS True) with BLOCK_R rank rows unrolled per chunk, 256 columns in one warp (8 bf16 =
+    16 bytes a thread) below 128 tokens and 1024 in 4 warps from there (the H200 sweep's best or within 4% of it
+    at 16-256 tokens, every projection).
     """
     n_cap = max(16, triton.next_power_of_2(max_out))
     if not segmented:
-        block_r = min(32, triton.next_power_of_2(max(1, max_rank)))
-        block_n = max(128, min(512, 4096 // block_r))
-        while block_n > 64 and max_out >= 1024 and num_tokens * num_slices * cdiv(max_out, block_n) < _TARGET_PROGRAMS:
-            block_n //= 2
-        return {"BLOCK_R": block_r, "BLOCK_N": min(block_n, n_cap), "num_warps": 4}
+        if num_tokens * num_slices * max_out <= _BGMV_EXPAND_TILE_MAX_ELEMENTS:
+            return bgmv_tile_expand_config(num_tokens, max_out, max_rank, num_slices)
+        block_n, warps = (256, 1) if num_tokens < 128 else (1024, 4)
+        return {"ROWS": True, "BLOCK_R": min(16, triton.next_power_of_2(max(1, max_rank))),
+                "BLOCK_N": min(block_n, n_cap), "num_warps": warps}  # fmt: skip
     # H200 sweep (perf/bench_sgmv_prefill.py --sweep, T = 4096, 8 adapters): 32 x 128 tiles, 4 warps
     block_m = sgmv_block_m(max_seg_len)
     return {"BLOCK_M": block_m, "BLOCK_R": 16, "BLOCK_N": min(128, n_cap), "num_warps": 4}
 
 
-def expand_config(*args, **kwargs) -> dict[str, int]:
+def expand_config(*args, **kwargs) -> dict[str, object]:
     """A fresh copy of the cached heuristic's choice (see ``_expand_config_cached``): callers may change it."""
     return dict(_expand_config_cached(*args, **kwargs))
 

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.testing
 
-from kernels.lora_config import expand_config, shrink_config
+from kernels.lora_config import bgmv_tile_expand_config, expand_config, shrink_config
 from kernels.lora_expand import lora_expand
 from kernels.lora_meta import build_segments, build_segments_on_device, sgmv_block_m
 from kernels.lora_shrink import lora_shrink
@@ -222,6 +222,55 @@ def sweep(copy_bw, gen):
             print(f"    {us:7.2f} us ({us / (nbytes / copy_bw * 1e6):5.2f}x floor) {cfg}")
 
 
+def sweep_expand(copy_bw, gen, modules):
+    """BGMV expand at rank 16: the tile body (``bgmv_tile_expand_config``), the launcher's heuristic, and the
+    row-streaming body over BLOCK_N x num_warps, per module and (tokens, distinct adapters)."""
+    rank = 16
+    print("BGMV expand sweep (rank 16): tile body, the heuristic's choice, best row-body configs", flush=True)
+    for name in modules:
+        in_f, widths = MODULES[name]
+        ns, bounds = len(widths), [0]
+        for w in widths:
+            bounds.append(bounds[-1] + w)
+        uni = Universe(in_f, widths, rank, 64)
+        for num_tokens, distinct in ((1, 1), (16, 16), (64, 8), (64, 64), (256, 64)):
+            nsets = max(1, min(64, math.ceil(3 * L2_BYTES / (distinct * rank * sum(widths) * 2))))
+            batches = [Batch(uni, num_tokens, distinct, gen) for _ in range(nsets)]
+            ranks = torch.full((ns, distinct), rank, dtype=torch.int32, device="cuda")
+            scal = torch.full((ns, distinct), 0.5, device="cuda")
+            y = torch.randn(ns, num_tokens, rank, device="cuda")
+            base = torch.zeros(num_tokens, bounds[-1], dtype=DTYPE, device="cuda")
+            nbytes = distinct * rank * sum(widths) * 2 + y.numel() * 4 + 2 * base.numel() * 2
+            floor_us = nbytes / copy_bw * 1e6
+
+            def time_of(cfg, pool=uni.pool, batches=batches, args=(ranks, scal), y=y, base=base, bounds=bounds):
+                calls = [partial(lora_expand, y, pool, b.b_offs, *args, b.slots, base, bounds, config=cfg)
+                         for b in batches]  # fmt: skip
+                return bench(cycling(calls))
+
+            heur = expand_config(num_tokens, max(widths), rank, False, num_slices=ns)
+            tile_cfg = bgmv_tile_expand_config(num_tokens, max(widths), rank, ns)
+            t_tile, t_rows = time_of(tile_cfg), time_of(heur)
+            tried = []
+            for block_n, warps in itertools.product((256, 512, 1024, 2048), (1, 2, 4, 8)):
+                if block_n // warps < 64 or block_n // warps > 1024:
+                    continue
+                cfg = {"ROWS": True, "BLOCK_R": 16, "BLOCK_N": block_n, "num_warps": warps}
+                tried.append((time_of(cfg), cfg))
+            tried.sort(key=lambda r: r[0])
+            RESULTS.append({"kind": "expand_sweep", "module": name, "tokens": num_tokens, "distinct": distinct,
+                            "floor_us": floor_us, "tile_us": t_tile, "tile_config": tile_cfg,
+                            "heuristic_us": t_rows, "heuristic_config": heur,
+                            "tried": [{"us": us, "config": c} for us, c in tried]})  # fmt: skip
+            best = ", ".join(f"{us:.2f} us {c['BLOCK_N']}/{c['num_warps']}w" for us, c in tried[:3])
+            print(f"  {name:7s} T={num_tokens:3d} d={distinct:2d}: floor {floor_us:6.2f} us | tile {t_tile:7.2f} "
+                  f"({t_tile / floor_us:4.2f}x) | heuristic {t_rows:7.2f} ({t_rows / floor_us:4.2f}x, "
+                  f"{'rows' if heur['ROWS'] else 'tile'} {heur['BLOCK_N']}/{heur['num_warps']}w) | best rows {best}",
+                  flush=True)
+        del uni
+        torch.cuda.empty_cache()
+
+
 def bench_attention():
     print("paged decode attention, 32 heads / 8 kv heads, d=128, page 16, 32 layers, bf16", flush=True)
     num_layers, page, nkv, group, d = 32, 16, 8, 4, 128
@@ -275,6 +324,9 @@ def main():
                              "sgmv-device (fixed-shape segments built on the device, as a CUDA-graph decode step "
                              "with decode_lora_kernels=sgmv launches); default bgmv,sgmv,sgmv-device")
     parser.add_argument("--sweep", action="store_true", help="also sweep shrink configs on qkv")
+    parser.add_argument("--sweep-expand", action="store_true",
+                        help="BGMV expand: old tile body against the row-streaming one, and the row form's configs")
+    parser.add_argument("--sweep-only", action="store_true", help="run the requested sweeps only")
     parser.add_argument("--modules", default=",".join(MODULES), help="comma-separated subset of " + ",".join(MODULES))
     parser.add_argument("--rep-ms", type=int, default=REP_MS, help="do_bench_cudagraph rep (ms)")
     args = parser.parse_args()
@@ -287,6 +339,13 @@ def main():
     print(f"copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s", flush=True)
     if args.sweep:
         sweep(copy_bw, gen)
+    if args.sweep_expand:
+        sweep_expand(copy_bw, gen, args.modules.split(","))
+    if args.sweep_only:
+        if args.out:
+            with open(args.out, "w") as f:
+                f.writelines(json.dumps(rec) + "\n" for rec in RESULTS)
+        return
     ranks = (16,) if args.quick else RANKS
     forms = tuple(args.forms.split(",")) if args.forms else ("bgmv",) if args.quick else ("bgmv", "sgmv", "sgmv-device")
     for name in args.modules.split(","):

@@ -29,6 +29,7 @@ with cr.compile_only() as reports:
     cr.lora_launches(1024, 16, 16, segmented=True)
     cr.lora_launches(64, 16, 16, segmented="device")   # the decode step with decode_lora_kernels="sgmv"
     cr.lora_launches(33, 5, 8, segmented=False)   # odd batch, rank 8
+    cr.lora_launches(1, 1, 16, segmented=False)   # one token: the BGMV expand's tile body
     cr.other_launches(batch=8, seq=256)
     cr.moe_pair_launches(tokens=8, distinct=3)
 json.dump([asdict(r) for r in reports], sys.stdout)
@@ -59,12 +60,16 @@ def test_every_kernel_that_streams_memory_was_compiled(compiled):
 
 
 def test_kernels_read_global_memory_16_bytes_at_a_time(compiled):
-    """Every kernel but the BGMV expand tiles (the dense kernel's and the MoE-LoRA pair kernel's), whose 16-byte paths
-    are off (kernels/lora_expand.py BGMV_EXPAND_VECTOR: they measured ~3x slower on the H200); those must then compile
-    to the plain loads, not gain or lose them by accident."""
+    """Every kernel but the BGMV expand tiles (the dense kernel's tile body, ROWS False, which the heuristic gives
+    small launches, and the MoE-LoRA pair kernel's), whose 16-byte paths are off (kernels/lora_expand.py
+    BGMV_EXPAND_VECTOR: they measured ~3x slower on the H200); those must then compile to the plain loads, not gain
+    or lose them by accident. The dense kernel's row-streaming body (ROWS True) must read 16 bytes at a time."""
     plain = {"_lora_expand_bgmv_kernel", "_moe_lora_expand_pairs_kernel"}
+    kinds = {(r["name"], r["constexprs"].get("ROWS")) for r in compiled}
+    assert {("_lora_expand_bgmv_kernel", True), ("_lora_expand_bgmv_kernel", False)} <= kinds
     for report in compiled:
-        if report["name"] in plain and not report["constexprs"].get("VECTOR", True):
+        constexprs = report["constexprs"]
+        if report["name"] in plain and not (constexprs.get("VECTOR", True) and constexprs.get("ROWS", True)):
             assert _widest_read(report) < 128, (report["name"], report["constexprs"], report["loads"])
             continue
         assert _widest_read(report) == 128, (report["name"], report["constexprs"], report["loads"])

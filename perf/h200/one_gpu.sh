@@ -18,11 +18,17 @@
 #                                            # headline at n = 5, 2000 with LOAD_PROCESSES loaders       ~9.5 min
 #   bash perf/h200/one_gpu.sh profile $OUT   # engine step phases at n = 5 / 2000, cProfile + eager-step trace at
 #                                            # n = 2000, the server's TTFT at 50/90% of SATURATION       ~8 min
+#   bash perf/h200/one_gpu.sh rows $OUT      # the row-streaming BGMV expand: compiled tests, the expand sweep (old
+#                                            # tile body vs rows, configs), decode step A/B against BASE, kernels ~8 min
+#   bash perf/h200/one_gpu.sh rows_ab $OUT   # the expand heuristic (tile / rows): compiled tests, decode step A/B
+#                                            # against BASE, kernel benchmark, headline at n = 5, 2000    ~9.5 min
+#   bash perf/h200/one_gpu.sh step_kernels $OUT  # the headline, then the decode step's kernels by GPU time at 0 and 64
+#                                            # adapters (torch.profiler), this tree and BASE             ~9 min
 #   bash perf/h200/one_gpu.sh server $OUT    # tritonserver: TTFT at 50/90% of SATURATION, perf_analyzer at
 #                                            # concurrency 16 and request rates PA_RATES                    ~8 min
 # DECODE_LORA (bgmv|sgmv) and PREFILL (sdpa|paged) pick the engine's kernels in the headline part.
 set -u
-PART=${1:?part: kernels, forms, expand, headline, mixed, final, profile or server}
+PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, headline, mixed, final, profile or server}
 OUT=${2:-/tmp/h200}
 ROOT=$PWD
 BASE=${BASE:-$ROOT/.baseline_s9}
@@ -147,6 +153,85 @@ expand)
     echo "== LoRA kernels, bgmv, T = 16 / 64: us (x floor) [vs bmm]"
     python3 perf/kernel_table.py "new=$W/kernels_new.jsonl" --tokens 16 64
   } > "$OUT/expand.txt" 2>&1
+  ;;
+rows)
+  # the BGMV expand streaming B^T row by row (kernels/lora_expand.py bgmv_expand_rows): compiled tests of the BGMV
+  # paths and the graphs, the expand sweep (the old tile body and the rows body in one process), the decode step of
+  # this tree and of BASE, the kernel benchmark
+  PYTHONPATH=$ROOT TRITON_INTERPRET=0 timeout 240 python3 -m pytest -q -p no:cacheprovider \
+    tests/kernels/test_lora_kernels.py tests/kernels/test_engine_kernels.py tests/kernels/test_step_graphs.py \
+    tests/kernels/test_decode_graph_forms.py -k "not sgmv and not hybrid" > "$W/gpu_tests.txt" 2>&1
+  stamp "compiled tests" $?
+  PYTHONPATH=$ROOT timeout 120 python3 perf/bench_kernels.py --sweep-expand --sweep-only --rep-ms 5 \
+    --out "$W/expand_sweep.jsonl" > "$W/expand_sweep.txt" 2>&1
+  stamp "expand sweep" $?
+  PYTHONPATH=$ROOT timeout 100 python3 -m perf.bench_decode_step --out "$W/step_new" > "$W/step_new.txt" 2>&1
+  stamp "decode step new" $?
+  (cd "$BASE" && PYTHONPATH=$BASE timeout 100 python3 -m perf.bench_decode_step --out "$W/step_base") \
+    > "$W/step_base.txt" 2>&1
+  stamp "decode step baseline" $?
+  left=$((575 - ($(date +%s) - T0)))
+  PYTHONPATH=$ROOT timeout $((left > 20 ? left : 20)) python3 perf/bench_kernels.py --quick --rep-ms 5 \
+    --out "$W/kernels_new.jsonl" > "$W/kernels_new.txt" 2>&1
+  stamp "bench_kernels new" $?
+  {
+    cat "$W/gpu.txt" "$W/times.txt"
+    echo "== compiled tests"; grep -E "passed|failed|FAILED|rror" "$W/gpu_tests.txt" | tail -n 8
+    echo "== expand sweep"; grep -E "T= *[0-9]+ d=" "$W/expand_sweep.txt" | cut -c1-230
+    for t in new base; do echo "== decode step $t"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$W/step_$t.txt" \
+      | cut -c1-160; done
+    echo "== LoRA kernels, bgmv, T = 16 / 64: us (x floor) [vs bmm]"
+    python3 perf/kernel_table.py "new=$W/kernels_new.jsonl" --tokens 16 64
+  } > "$OUT/rows.txt" 2>&1
+  ;;
+rows_ab)
+  # the BGMV expand's heuristic (tile body for small launches, row-streaming body for the rest): compiled tests
+  # (kernel grid, the engine against PEFT, mixed-step graphs), the decode step of this tree and BASE, the kernel
+  # benchmark, then the headline at n = 5 and 2000 in what time is left
+  PYTHONPATH=$ROOT TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -p no:cacheprovider \
+    tests/kernels/test_lora_kernels.py tests/kernels/test_engine_kernels.py tests/kernels/test_step_graphs.py \
+    -k "grid or rows or aligned or (llama-sdpa-True-bgmv) or (replay_equals_eager and bgmv) or mixed_steps" \
+    > "$W/gpu_tests.txt" 2>&1
+  stamp "compiled tests" $?
+  PYTHONPATH=$ROOT timeout 140 python3 -m perf.bench_decode_step --out "$W/step_new" > "$W/step_new.txt" 2>&1
+  stamp "decode step new" $?
+  (cd "$BASE" && PYTHONPATH=$BASE timeout 140 python3 -m perf.bench_decode_step --out "$W/step_base") \
+    > "$W/step_base.txt" 2>&1
+  stamp "decode step baseline" $?
+  PYTHONPATH=$ROOT timeout 40 python3 perf/bench_kernels.py --quick --rep-ms 5 --out "$W/kernels_new.jsonl" \
+    > "$W/kernels_new.txt" 2>&1
+  stamp "bench_kernels new" $?
+  left=$((580 - ($(date +%s) - T0)))
+  headline headline $((left > 30 ? left : 30)) --adapters 5 2000
+  stamp "headline n = 5, 2000" $?
+  rm -rf "$W/work"
+  {
+    cat "$W/gpu.txt" "$W/times.txt"
+    echo "== compiled tests"; grep -E "passed|failed|FAILED|rror" "$W/gpu_tests.txt" | tail -n 8
+    for t in new base; do echo "== decode step $t"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$W/step_$t.txt" \
+      | cut -c1-160; done
+    echo "== headline"; grep -E "^\| engine|ratio" "$W/headline/summary.md" | head -20
+    echo "== LoRA kernels, bgmv, T = 16 / 64: us (x floor) [vs bmm]"
+    python3 perf/kernel_table.py "new=$W/kernels_new.jsonl" --tokens 16 64
+  } > "$OUT/rows_ab.txt" 2>&1
+  ;;
+step_kernels)
+  headline headline 250 --adapters 5 100 1000 2000
+  stamp "headline" $?
+  rm -rf "$W/work"
+  PYTHONPATH=$ROOT timeout 120 python3 -m perf.bench_decode_step --adapters 0,64 --profile --out "$W/step_new" \
+    > "$W/step_new.txt" 2>&1
+  stamp "decode step kernels new" $?
+  left=$((580 - ($(date +%s) - T0)))
+  (cd "$BASE" && PYTHONPATH=$BASE timeout $((left > 20 ? left : 20)) python3 -m perf.bench_decode_step \
+    --adapters 0,64 --profile --out "$W/step_base") > "$W/step_base.txt" 2>&1
+  stamp "decode step kernels baseline" $?
+  {
+    cat "$W/gpu.txt" "$W/times.txt"
+    echo "== headline"; grep -E "^\| engine|ratio" "$W/headline/summary.md" | head -20
+    for t in new base; do echo "== decode step $t"; grep -E "^ *[0-9]+ +[0-9.]+ |^--|^  +[0-9.]+ ms" "$W/step_$t.txt" \
+      | cut -c1-150; done
+  } > "$OUT/step_kernels.txt" 2>&1
   ;;
 headline)
   headline headline 330 --adapters 5 100 1000 2000 --decode-lora-kernels "${DECODE_LORA:-bgmv}" \

@@ -104,6 +104,9 @@ def check_expand(case: LoraCase, device: str, segmented: bool | str, config=None
 # the grid
 # ---------------------------------------------------------------------------------------------
 
+ROWS_CONFIG = {"ROWS": True, "BLOCK_R": 16, "BLOCK_N": 64, "num_warps": 1}
+TILE_CONFIG = {"ROWS": False, "BLOCK_R": 16, "BLOCK_N": 64, "num_warps": 4}
+
 GRID = [
     (t, inf, dist, ns)
     for t in (1, 3, 17, 64)
@@ -123,6 +126,8 @@ def test_shrink_expand_grid(device, num_tokens, in_features, dist, num_slices):
     for segmented in (False, True, "device"):
         check_shrink(case, device, segmented)
         check_expand(case, device, segmented)
+    # the heuristic gives these small launches the BGMV expand's tile body: the row-streaming body too
+    check_expand(case, device, False, config=ROWS_CONFIG)
 
 
 @pytest.mark.parametrize("dist", ["powerlaw", "some_none", "distinct"])
@@ -245,6 +250,18 @@ def test_aligned_rows(device, dtype):
             torch.testing.assert_close(shrink.cpu(), expected_shrink(case), rtol=1e-3, atol=1e-3)
         if dtype == torch.float32:
             check_expand(case, device, segmented)
+
+
+@pytest.mark.parametrize("cols", ["aligned", "odd"])
+def test_expand_rows_aligned_mixed_ranks(device, cols):
+    """The BGMV expand's row-streaming body over several rank chunks: rows on 16 bytes, ranks 1..32 in chunks of 4
+    (a slot's last chunk partly past its rank), slices on 16 bytes (the unrolled 16-byte path) or of odd widths (the
+    row-at-a-time fallback); the tile body and the heuristic's choice on the same case."""
+    widths = [48, 24, 40] if cols == "aligned" else [45, 21, 37]
+    case = make_case(seed_of("rows", cols), 23, 72, widths, "powerlaw", device, max_rank=32,
+                     rank_choices=(1, 3, 4, 16, 21, 32), align=4)  # fmt: skip
+    for config in ({"ROWS": True, "BLOCK_R": 4, "BLOCK_N": 32, "num_warps": 1}, TILE_CONFIG, None):
+        check_expand(case, device, False, config=config)
 
 
 def test_strided_views(device):
