@@ -46,6 +46,30 @@ headline() {
   PYTHONPATH=$ROOT timeout "$limit" python3 -m perf.headline --shape llama3-8b --out "$W/$name" --workdir "$W/work" \
     --rate 24 --duration 12 --drain 15 --skip-peft --max-num-seqs 128 --admit-every-steps 4 "$@" > "$W/$name.txt" 2>&1
 }
+# decode_steps LIMIT_S ARGS...: perf.bench_decode_step ARGS of this tree, then of BASE, each under LIMIT_S, into
+# $W/step_{new,base}/ with logs $W/step_{new,base}.txt
+decode_steps() {
+  local limit=$1
+  shift
+  PYTHONPATH=$ROOT timeout "$limit" python3 -m perf.bench_decode_step "$@" --out "$W/step_new" > "$W/step_new.txt" 2>&1
+  stamp "decode step new" $?
+  (cd "$BASE" && PYTHONPATH=$BASE timeout "$limit" python3 -m perf.bench_decode_step "$@" --out "$W/step_base") \
+    > "$W/step_base.txt" 2>&1
+  stamp "decode step baseline" $?
+}
+# kernels_quick LIMIT_S: this tree's kernel benchmark (BGMV, rank 16) into $W/kernels_new.jsonl
+kernels_quick() {
+  PYTHONPATH=$ROOT timeout "$1" python3 perf/bench_kernels.py --quick --rep-ms 5 --out "$W/kernels_new.jsonl" \
+    > "$W/kernels_new.txt" 2>&1
+  stamp "bench_kernels new" $?
+}
+# step_lines [EXTRA_REGEX]: the decode-step tables (and EXTRA_REGEX lines) of this tree and BASE, for a summary
+step_lines() {
+  for t in new base; do
+    echo "== decode step $t"
+    grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth${1:+|$1}" "$W/step_$t.txt" | cut -c1-160
+  done
+}
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv > "$W/gpu.txt" 2>&1
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' >> "$W/gpu.txt" 2>&1
 
@@ -132,14 +156,8 @@ expand)
     -k "not sgmv and not hybrid" \
     > "$W/gpu_tests.txt" 2>&1
   stamp "compiled tests" $?
-  PYTHONPATH=$ROOT timeout 100 python3 -m perf.bench_decode_step --out "$W/step_new" > "$W/step_new.txt" 2>&1
-  stamp "decode step new" $?
-  (cd "$BASE" && PYTHONPATH=$BASE timeout 100 python3 -m perf.bench_decode_step --out "$W/step_base") \
-    > "$W/step_base.txt" 2>&1
-  stamp "decode step baseline" $?
-  PYTHONPATH=$ROOT timeout 40 python3 perf/bench_kernels.py --quick --rep-ms 5 --out "$W/kernels_new.jsonl" \
-    > "$W/kernels_new.txt" 2>&1
-  stamp "bench_kernels new" $?
+  decode_steps 100
+  kernels_quick 40
   left=$((570 - ($(date +%s) - T0)))
   headline headline $((left > 60 ? left : 60)) --adapters 5 100 1000 2000
   stamp "headline" $?
@@ -147,8 +165,7 @@ expand)
   {
     cat "$W/gpu.txt" "$W/times.txt"
     echo "== compiled tests"; grep -E "passed|failed|FAILED|rror" "$W/gpu_tests.txt" | tail -n 6
-    for t in new base; do echo "== decode step $t"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$W/step_$t.txt" \
-      | cut -c1-160; done
+    step_lines
     echo "== headline"; grep -E "^\| engine|ratio" "$W/headline/summary.md" | head -20
     echo "== LoRA kernels, bgmv, T = 16 / 64: us (x floor) [vs bmm]"
     python3 perf/kernel_table.py "new=$W/kernels_new.jsonl" --tokens 16 64
@@ -165,21 +182,14 @@ rows)
   PYTHONPATH=$ROOT timeout 120 python3 perf/bench_kernels.py --sweep-expand --sweep-only --rep-ms 5 \
     --out "$W/expand_sweep.jsonl" > "$W/expand_sweep.txt" 2>&1
   stamp "expand sweep" $?
-  PYTHONPATH=$ROOT timeout 100 python3 -m perf.bench_decode_step --out "$W/step_new" > "$W/step_new.txt" 2>&1
-  stamp "decode step new" $?
-  (cd "$BASE" && PYTHONPATH=$BASE timeout 100 python3 -m perf.bench_decode_step --out "$W/step_base") \
-    > "$W/step_base.txt" 2>&1
-  stamp "decode step baseline" $?
+  decode_steps 100
   left=$((575 - ($(date +%s) - T0)))
-  PYTHONPATH=$ROOT timeout $((left > 20 ? left : 20)) python3 perf/bench_kernels.py --quick --rep-ms 5 \
-    --out "$W/kernels_new.jsonl" > "$W/kernels_new.txt" 2>&1
-  stamp "bench_kernels new" $?
+  kernels_quick $((left > 20 ? left : 20))
   {
     cat "$W/gpu.txt" "$W/times.txt"
     echo "== compiled tests"; grep -E "passed|failed|FAILED|rror" "$W/gpu_tests.txt" | tail -n 8
     echo "== expand sweep"; grep -E "T= *[0-9]+ d=" "$W/expand_sweep.txt" | cut -c1-230
-    for t in new base; do echo "== decode step $t"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$W/step_$t.txt" \
-      | cut -c1-160; done
+    step_lines
     echo "== LoRA kernels, bgmv, T = 16 / 64: us (x floor) [vs bmm]"
     python3 perf/kernel_table.py "new=$W/kernels_new.jsonl" --tokens 16 64
   } > "$OUT/rows.txt" 2>&1
@@ -193,14 +203,8 @@ rows_ab)
     -k "grid or rows or aligned or (llama-sdpa-True-bgmv) or (replay_equals_eager and bgmv) or mixed_steps" \
     > "$W/gpu_tests.txt" 2>&1
   stamp "compiled tests" $?
-  PYTHONPATH=$ROOT timeout 140 python3 -m perf.bench_decode_step --out "$W/step_new" > "$W/step_new.txt" 2>&1
-  stamp "decode step new" $?
-  (cd "$BASE" && PYTHONPATH=$BASE timeout 140 python3 -m perf.bench_decode_step --out "$W/step_base") \
-    > "$W/step_base.txt" 2>&1
-  stamp "decode step baseline" $?
-  PYTHONPATH=$ROOT timeout 40 python3 perf/bench_kernels.py --quick --rep-ms 5 --out "$W/kernels_new.jsonl" \
-    > "$W/kernels_new.txt" 2>&1
-  stamp "bench_kernels new" $?
+  decode_steps 140
+  kernels_quick 40
   left=$((580 - ($(date +%s) - T0)))
   headline headline $((left > 30 ? left : 30)) --adapters 5 2000
   stamp "headline n = 5, 2000" $?
@@ -208,8 +212,7 @@ rows_ab)
   {
     cat "$W/gpu.txt" "$W/times.txt"
     echo "== compiled tests"; grep -E "passed|failed|FAILED|rror" "$W/gpu_tests.txt" | tail -n 8
-    for t in new base; do echo "== decode step $t"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$W/step_$t.txt" \
-      | cut -c1-160; done
+    step_lines
     echo "== headline"; grep -E "^\| engine|ratio" "$W/headline/summary.md" | head -20
     echo "== LoRA kernels, bgmv, T = 16 / 64: us (x floor) [vs bmm]"
     python3 perf/kernel_table.py "new=$W/kernels_new.jsonl" --tokens 16 64
@@ -219,18 +222,11 @@ step_kernels)
   headline headline 250 --adapters 5 100 1000 2000
   stamp "headline" $?
   rm -rf "$W/work"
-  PYTHONPATH=$ROOT timeout 120 python3 -m perf.bench_decode_step --adapters 0,64 --profile --out "$W/step_new" \
-    > "$W/step_new.txt" 2>&1
-  stamp "decode step kernels new" $?
-  left=$((580 - ($(date +%s) - T0)))
-  (cd "$BASE" && PYTHONPATH=$BASE timeout $((left > 20 ? left : 20)) python3 -m perf.bench_decode_step \
-    --adapters 0,64 --profile --out "$W/step_base") > "$W/step_base.txt" 2>&1
-  stamp "decode step kernels baseline" $?
+  decode_steps 120 --adapters 0,64 --profile
   {
     cat "$W/gpu.txt" "$W/times.txt"
     echo "== headline"; grep -E "^\| engine|ratio" "$W/headline/summary.md" | head -20
-    for t in new base; do echo "== decode step $t"; grep -E "^ *[0-9]+ +[0-9.]+ |^--|^  +[0-9.]+ ms" "$W/step_$t.txt" \
-      | cut -c1-150; done
+    step_lines "^--|^  +[0-9.]+ ms"
   } > "$OUT/step_kernels.txt" 2>&1
   ;;
 headline)
