@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_expand import BGMV_EXPAND_VECTOR, bgmv_expand_tile
+from kernels.expand_tiles import BGMV_EXPAND_VECTOR, bgmv_expand_tile
 from kernels.lora_meta import cdiv, check_shape, check_tensor
 from kernels.lora_shrink import bgmv_rows_dot
 from kernels.moe_lora_args import check_expand_args, check_shrink_args
@@ -116,7 +116,7 @@ def _moe_lora_expand_pairs_kernel(
     NUM_N_BLOCKS: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     ROW_ALIGN: tl.constexpr,  # elements in 16 bytes of the pool dtype
-    VECTOR: tl.constexpr,  # the BGMV expand tile's 16-byte path (kernels/lora_expand.py BGMV_EXPAND_VECTOR)
+    VECTOR: tl.constexpr,  # the BGMV expand tile's 16-byte path (kernels/expand_tiles.py BGMV_EXPAND_VECTOR)
 ):
     pair = tl.program_id(0).to(tl.int64)
     slice_id = tl.program_id(1) // NUM_N_BLOCKS

@@ -61,7 +61,7 @@ def test_every_kernel_that_streams_memory_was_compiled(compiled):
 
 def test_kernels_read_global_memory_16_bytes_at_a_time(compiled):
     """Every kernel but the BGMV expand tiles (the dense kernel's tile body, ROWS False, which the heuristic gives
-    small launches, and the MoE-LoRA pair kernel's), whose 16-byte paths are off (kernels/lora_expand.py
+    small launches, and the MoE-LoRA pair kernel's), whose 16-byte paths are off (kernels/expand_tiles.py
     BGMV_EXPAND_VECTOR: they measured ~3x slower on the H200); those must then compile to the plain loads, not gain
     or lose them by accident. The dense kernel's row-streaming body (ROWS True) must read 16 bytes at a time."""
     plain = {"_lora_expand_bgmv_kernel", "_moe_lora_expand_pairs_kernel"}
