@@ -235,6 +235,23 @@ def test_shrink_config_decode(num_tokens, in_features, num_slices, max_rank):
     assert programs >= 2 * NUM_SMS or cfg["SPLIT_K"] == num_k_blocks
 
 
+@pytest.mark.parametrize(("max_out", "num_slices"), [(4096, 3), (4096, 1), (14336, 2)])
+def test_expand_config_decode(max_out, num_slices):
+    """The BGMV expand's heuristic at the Llama-3-8B projections: the tile body for launches of at most 131,072
+    output elements, the row body above with 16-byte-wide rows per thread (BLOCK_N a multiple of 256 a warp), and a
+    handful of variants over every token count a step can have (each variant is one compile, not one per size)."""
+    from kernels.lora_config import expand_config
+
+    variants = set()
+    for num_tokens in range(1, 4097):
+        cfg = expand_config(num_tokens, max_out, 16, segmented=False, num_slices=num_slices)
+        assert cfg["ROWS"] == (num_tokens * num_slices * max_out > 131072), (num_tokens, cfg)
+        if cfg["ROWS"]:
+            assert cfg["BLOCK_R"] == 16 and cfg["BLOCK_N"] == 256 * cfg["num_warps"], cfg
+        variants.add(tuple(sorted(cfg.items())))
+    assert len(variants) <= 4, variants
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_aligned_rows(device, dtype):
     """Rows on 16-byte boundaries take the kernels' vectorised branch; same results."""
