@@ -11,24 +11,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["BGMV_EXPAND_VECTOR", "add_scaled", "bgmv_expand_rows", "bgmv_expand_tile", "load_b_rows", "rows_aligned"]
-
-# The BGMV expand's 16-byte paths (aligned B rows and slice columns): off. On the H200 (2026-12-01,
-# perf/results/2026-12-01-h200/2_forms: perf/bench_kernels.py --quick, this tree and a094d92 in one command, T = 64,
-# rank 16) they made the kernel ~3x slower than a094d92's plain loads (gate/up 74 us against 21 at 8 adapters, q/k/v
-# 21 against 7.6, o and down 14 against 5). With them off (3_expand/) the kernel is back at its old times and the
-# decode step takes 9.0 ms at 8 adapters against a094d92's 10.0 in one command. The BGMV shrink's 16-byte paths
-# measured 2.0-2.7x faster there and stay; the SGMV expand's were not timed against plain loads and stay too.
-BGMV_EXPAND_VECTOR = False
-
+__all__ = ["add_scaled", "bgmv_expand_rows", "bgmv_expand_tile", "load_b_rows", "rows_aligned"]
 
 @triton.jit
 def load_b_rows(pool_ptr, row_offs, offs_n, r_mask, n_mask, ROW_ALIGN: tl.constexpr):
     """[BLOCK_R, BLOCK_N] tile pool[row_offs[:, None] + offs_n[None, :]] (masked rows / columns: 0).
 
     Rows that all start on 16 bytes (the paged layout) get vectorised loads: (o // A) * A == o there, and tells
-    the compiler so; other layouts take the same load without the promise. Shared with the MoE-LoRA pair
-    kernels (kernels/moe_lora_pairs.py)."""
+    the compiler so; other layouts take the same load without the promise. The SGMV expand's tiles read B this
+    way."""
     mask = r_mask[:, None] & n_mask[None, :]
     if tl.sum((row_offs % ROW_ALIGN != 0).to(tl.int32), axis=0) == 0:
         aligned = (row_offs // ROW_ALIGN) * ROW_ALIGN
@@ -48,13 +39,14 @@ def add_scaled(ptrs, mask, scaling, acc):
 @triton.jit
 def bgmv_expand_tile(
     y_row, stride_yr, b_offs_row, stride_br, pool_ptr, out_row, stride_on, rank, scaling, n_start, n_size, pid_n,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ROW_ALIGN: tl.constexpr, ROUND_Y: tl.constexpr = False,
-    VECTOR: tl.constexpr = True,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ROUND_Y: tl.constexpr = False,
 ):  # fmt: skip
     """One token's columns [pid_n * BLOCK_N, +BLOCK_N) of one slice: out_row[n_start + n] += scaling * y . B^T[:, n]
     (y [rank] fp32 at y_row, rank row k's pool offset at b_offs_row[k]; ROUND_Y: y rounded to the pool dtype
-    first; VECTOR: B rows through ``load_b_rows``'s aligned path, else plain loads). Shared with the MoE-LoRA pair
-    kernel (kernels/moe_lora_pairs.py)."""
+    first), a [BLOCK_R, BLOCK_N] tile of B^T reduced over the rank. Plain loads: with ``load_b_rows``' 16-byte
+    path the reduction goes through shared memory, and the kernel measured ~3x slower on the H200 (2026-12-01,
+    perf/results/2026-12-01-h200/2_forms, gate/up 74 against 21 us at 64 tokens x 8 adapters). The dense BGMV
+    expand's small launches and the MoE-LoRA pair kernel (kernels/moe_lora_pairs.py) use it."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_size
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -63,11 +55,7 @@ def bgmv_expand_tile(
         r_mask = offs_r < rank
         y = tl.load(y_row + offs_r * stride_yr, mask=r_mask, other=0.0)
         row_offs = tl.load(b_offs_row + offs_r * stride_br, mask=r_mask, other=0).to(tl.int64)
-        if VECTOR:
-            b = load_b_rows(pool_ptr, row_offs, offs_n, r_mask, n_mask, ROW_ALIGN)
-        else:
-            b = tl.load(pool_ptr + row_offs[:, None] + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :],
-                        other=0.0)
+        b = tl.load(pool_ptr + row_offs[:, None] + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
         if ROUND_Y:
             y = y.to(b.dtype)
         acc += tl.sum(y.to(tl.float32)[:, None] * b.to(tl.float32), axis=0)

@@ -88,9 +88,9 @@ def _lora_expand_bgmv_kernel(
     y_row = y_ptr + slice_id * stride_ys + token * stride_ym
     b_offs_row = b_row_offsets_ptr + slice_id * stride_bs + slot * stride_bslot
     out_row = out_ptr + token * stride_om
-    if not ROWS:  # the tile with plain loads (its 16-byte path measured ~3x slower on the H200, BGMV_EXPAND_VECTOR)
+    if not ROWS:  # the tile (plain loads)
         bgmv_expand_tile(y_row, stride_yr, b_offs_row, stride_br, pool_ptr, out_row, stride_on, rank, scaling,
-                         n_start, n_size, pid_n, BLOCK_R, BLOCK_N, ROW_ALIGN, False, False)  # fmt: skip
+                         n_start, n_size, pid_n, BLOCK_R, BLOCK_N)  # fmt: skip
     # a slice that starts and ends on 16 bytes (q/k/v and gate/up do) over rank rows on 16 bytes (the paged layout)
     # takes the unrolled 16-byte path, with the slice's bounds promised as (v // A) * A == v
     elif (n_start % COL_ALIGN == 0) & (n_size % COL_ALIGN == 0) & rows_aligned(b_offs_row, stride_br, rank,
@@ -193,7 +193,6 @@ def _lora_expand_sgmv_kernel(
     else:
         _sgmv_tile(y_rows, stride_yr, m_mask, b_offs_row, stride_br, pool_ptr, out_rows, stride_on, rank, scaling,
                    n_start, n_size, pid_n, BLOCK_M, BLOCK_R, BLOCK_N, DOT_PRECISION, ROW_ALIGN)  # fmt: skip
-
 
 
 _BOUNDS_CACHE: dict[tuple, torch.Tensor] = {}

@@ -9,7 +9,7 @@ Here each program reads its pair's routed expert (``topk_ids``) and its token's 
 (``token_slots``) and does a GEMV against that adapter's rows where they lie in the pool, like
 the dense BGMV kernels (``kernels.lora_shrink``/``lora_expand``), with their row readers
 (``bgmv_rows_dot``: 16 bytes an instruction where the rows start on 16 bytes; ``bgmv_expand_tile``: plain loads,
-as the dense BGMV expand, whose 16-byte path measured slower).
+whose 16-byte path measured slower; the dense expand's row-streaming body is not used here yet).
 
 Layouts are those of ``kernels.fused_moe_lora`` (``MoeLora``): row k of A_{s,e} for slice i at
 pool element ``a_offsets[i, s, e, k]``, row k of B_{s,e}^T at ``b_offsets[i, s, e, k]``.
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.expand_tiles import BGMV_EXPAND_VECTOR, bgmv_expand_tile
+from kernels.expand_tiles import bgmv_expand_tile
 from kernels.lora_meta import cdiv, check_shape, check_tensor
 from kernels.lora_shrink import bgmv_rows_dot
 from kernels.moe_lora_args import check_expand_args, check_shrink_args
@@ -115,8 +115,6 @@ def _moe_lora_expand_pairs_kernel(
     BLOCK_N: tl.constexpr,
     NUM_N_BLOCKS: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
-    ROW_ALIGN: tl.constexpr,  # elements in 16 bytes of the pool dtype
-    VECTOR: tl.constexpr,  # the BGMV expand tile's 16-byte path (kernels/expand_tiles.py BGMV_EXPAND_VECTOR)
 ):
     pair = tl.program_id(0).to(tl.int64)
     slice_id = tl.program_id(1) // NUM_N_BLOCKS
@@ -133,7 +131,7 @@ def _moe_lora_expand_pairs_kernel(
     bgmv_expand_tile(y_ptr + slice_id * stride_ys + pair * stride_ym, stride_yr,
                      b_offsets_ptr + slice_id * stride_bs + slot * stride_bslot + expert * stride_be, stride_br,
                      pool_ptr, out_ptr + pair * stride_om, stride_on, rank, scaling, slice_id * slice_width,
-                     slice_width, pid_n, BLOCK_R, BLOCK_N, ROW_ALIGN, True, VECTOR)  # fmt: skip
+                     slice_width, pid_n, BLOCK_R, BLOCK_N, True)  # fmt: skip
 
 
 def pairs_shrink_config(num_pairs: int, k_size: int, max_rank: int, num_slices: int) -> dict[str, int]:
@@ -282,8 +280,6 @@ def moe_lora_expand_pairs(
         out.stride(0), out.stride(1),
         NUM_N_BLOCKS=num_n_blocks,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
-        ROW_ALIGN=16 // pool.element_size(),
-        VECTOR=BGMV_EXPAND_VECTOR,  # off, as the dense BGMV expand: the 16-byte tile measured 3x slower there
         **cfg,
     )  # fmt: skip
     return out
