@@ -9,6 +9,7 @@ import torch
 
 from backend.adapter import AdapterSpec
 from backend.adapter_manager import AdapterManager
+from backend.adapter_pool import ResidentAdapter
 from backend.cuda_graphs import DecodeInputs
 from backend.kv_cache import PagedKVCache
 from backend.lora_batch import LoraBatch
@@ -67,12 +68,17 @@ class StepBuilder:
         self.paged_prefill = paged_prefill and use_kernels  # prefill chunks through the paged kernel
         self.decode_form = decode_form  # small steps' LoRA kernels (backend/config.py DECODE_FORMS)
 
-    def lora_batch(self, plan: list[ScheduledChunk]) -> LoraBatch | None:
+    def adapter_slots(self, plan: list[ScheduledChunk]) -> tuple[list[int], list[ResidentAdapter]]:
+        """Each chunk's adapter slot (-1 for base-only) and the slots' resident adapters, in ``distinct_specs``
+        order: what every form of the step's LoRA input is built from."""
         specs = distinct_specs(plan)
-        if not specs:
+        return chunk_slots(plan, specs), [self.adapters.resident(spec) for spec in specs]
+
+    def lora_batch(self, plan: list[ScheduledChunk]) -> LoraBatch | None:
+        slots, resident = self.adapter_slots(plan)
+        if not resident:
             return None
-        resident = [self.adapters.resident(spec) for spec in specs]
-        return LoraBatch(per_token(plan, chunk_slots(plan, specs)), resident, self.pool.storage, self.device,
+        return LoraBatch(per_token(plan, slots), resident, self.pool.storage, self.device,
                          use_kernels=self.use_kernels, decode_form=self.decode_form)
 
     def gather(self, plan: list[ScheduledChunk]) -> StepLists:
@@ -138,15 +144,15 @@ class StepBuilder:
         )
 
     def graph_inputs(self, plan: list[ScheduledChunk], lists: StepLists) -> DecodeInputs:
-        specs = distinct_specs(plan)
+        slots, resident = self.adapter_slots(plan)
         return DecodeInputs(
             input_ids=torch.tensor(lists.ids, dtype=torch.int64),
             positions=torch.tensor(lists.positions, dtype=torch.int64),
             kv_slots=torch.tensor(lists.slots, dtype=torch.int64),
             block_tables=lists.pages,
             seq_lens=lists.ends,
-            token_slots=chunk_slots(plan, specs),
-            adapters=[self.adapters.resident(spec) for spec in specs],
+            token_slots=slots,
+            adapters=resident,
         )
 
     def pages_only(self, plan: list[ScheduledChunk]) -> bool:
@@ -156,8 +162,7 @@ class StepBuilder:
         return not window or all(c.sequence.num_computed + c.num_tokens <= window for c in plan)
 
     def mixed_inputs(self, plan: list[ScheduledChunk], lists: StepLists) -> MixedInputs:
-        specs = distinct_specs(plan)
+        slots, resident = self.adapter_slots(plan)
         return MixedInputs(input_ids=lists.ids, positions=lists.positions, kv_slots=lists.slots,
                            table_rows=per_token(plan, list(range(len(plan)))), block_tables=lists.pages,
-                           logits_rows=lists.logits_rows, token_slots=per_token(plan, chunk_slots(plan, specs)),
-                           adapters=[self.adapters.resident(spec) for spec in specs])
+                           logits_rows=lists.logits_rows, token_slots=per_token(plan, slots), adapters=resident)
