@@ -38,6 +38,8 @@ class EngineConfig:
             the CPU), "triton" or "torch".
         fuse_add_norm: on the kernel path, residual add + RMSNorm as one Triton kernel (off: torch ops).
         fuse_silu_mul: on the kernel path, the MLP's silu(gate) * up as one Triton kernel (off: torch ops).
+        fuse_rope_kv: on the kernel path, each layer's q/k norm (Qwen3), rotary embedding and KV-cache write as one
+            Triton kernel (off: torch ops).
         prefill_attention: "sdpa" (each prefill chunk through torch's fused attention over its
             gathered cache) or "paged" (prefill tokens join the decode rows in the paged-attention
             kernel: one launch per layer for the whole step, no gathers; keys are re-read per query
@@ -106,6 +108,7 @@ class EngineConfig:
     decode_lora_kernels: str = "bgmv"
     fuse_add_norm: bool = True
     fuse_silu_mul: bool = True
+    fuse_rope_kv: bool = True
     cuda_graphs: bool = True
     mixed_step_graphs: bool = True
     warmup: bool = True

@@ -13,6 +13,7 @@ gathering the rows in torch on either path.
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -41,6 +42,9 @@ class PendingShrink:
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+# Captured steps run each shrink on a side stream beside its base GEMM; MANYLORA_LORA_SIDE_STREAM=0 keeps them on the
+# step's stream (perf/bench_decode_step.py --lora-side-stream times both)
+SIDE_STREAM = os.environ.get("MANYLORA_LORA_SIDE_STREAM", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def _side_stream(x: torch.Tensor) -> torch.cuda.Stream:
@@ -53,7 +57,7 @@ def _side_stream(x: torch.Tensor) -> torch.cuda.Stream:
 def _overlaps(x: torch.Tensor) -> bool:
     """Whether the shrink of input x runs on the side stream: inside a CUDA-graph capture only. Eager steps are
     bound by the host (launches), which two stream switches per call would slow further, for no GPU-side gain."""
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+    return SIDE_STREAM and x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def moe_lora_expressible(ranks: torch.Tensor, scalings: torch.Tensor) -> bool:

@@ -73,6 +73,7 @@ class TensorParallelSetup:
     use_kernels: bool
     fuse_add_norm: bool
     fuse_silu_mul: bool
+    fuse_rope_kv: bool
     rehash_adapters: bool
     adapter_load_workers: int
     adapter_load_processes: int
@@ -107,6 +108,7 @@ def load_rank_model(setup: TensorParallelSetup, cfg: ModelConfig, rank: int) -> 
     model.use_kernels = setup.use_kernels
     model.fuse_add_norm = setup.fuse_add_norm
     model.fuse_silu_mul = setup.fuse_silu_mul
+    model.fuse_rope_kv = setup.fuse_rope_kv
     model.comm = Comm(rank=rank, size=setup.tp_size)
     return model
 

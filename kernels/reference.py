@@ -250,3 +250,26 @@ def ref_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """Reference of ``kernels.silu_mul.silu_mul``: the model's unfused ``F.silu(gate) * up``."""
     gate, up = gate_up.split(gate_up.shape[1] // 2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+__all__ += ["ref_rope_kv_write"]
+
+
+def ref_rope_kv_write(qk: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, kv: torch.Tensor, layer: int, slots: torch.Tensor, num_q_heads: int,
+                      norm: torch.Tensor | None = None, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of ``kernels.rope_kv.rope_kv_write``: the model's torch ops (per-head RMSNorm, rotate-half RoPE,
+    indexed KV copies) on copies; returns (rotated q heads, the KV cache after the write)."""
+    x = qk
+    if norm is not None:
+        x = norm * torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    half = x.shape[-1] // 2
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    r = x * c + rotated * s
+    kv = kv.clone()
+    page_size = kv.shape[3]
+    pages, offsets = slots // page_size, slots % page_size
+    kv[pages, layer, 0, offsets] = r[:, num_q_heads:]
+    kv[pages, layer, 1, offsets] = v
+    return r[:, :num_q_heads], kv

@@ -5,8 +5,10 @@
 Random bf16 weights made on the GPU, adapters of one rank on all 7 projections resident in the
 unified pool, a batch of sequences with `context` tokens of random KV each; the decode step is
 replayed from the engine's CUDA graph (backend/cuda_graphs.py) and timed with CUDA events. The
-floor is (base weights + distinct adapters' weights + the batch's KV) / the device-to-device
-copy bandwidth measured in the same run (bytes read + written / time).
+floor is (base weights a step reads + distinct adapters' weights + the batch's KV) / the device-to-device
+copy bandwidth measured in the same run (bytes read + written / time). The base weights a step reads are all of
+them but the embedding table of an untied model, of which it reads the batch's rows only (before 2026-12-01's
+fourth session the whole table was counted: a floor 1.05 GB too high for Llama-3-8B, ratios ~4% too low).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from backend import lora_batch
 from backend.adapter import AdapterSpec
 from backend.adapter_packing import PackedAdapter, _layout
 from backend.adapter_pool import AdapterPool
@@ -79,6 +82,15 @@ def random_adapter(name: str, cfg: ModelConfig, rank: int, pool: UnifiedPool, ma
     return PackedAdapter(spec, data, offsets, ranks, torch.full(ranks.shape, 2.0))
 
 
+def step_weight_bytes(model: LlamaModel, batch: int) -> int:
+    """Bytes of base weights one decode step of ``batch`` tokens reads: every weight, but of an untied embedding
+    table only the batch's rows (a tied table is read whole by the LM head)."""
+    total = model.weight_bytes()
+    if model.embed.data_ptr() != model.lm_head.data_ptr():
+        total -= (model.embed.shape[0] - batch) * model.embed.shape[1] * model.embed.element_size()
+    return total
+
+
 def copy_bandwidth(device: str, nbytes: int = 4 << 30) -> float:
     """Bytes read + written per second of a large device-to-device copy."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
@@ -126,7 +138,7 @@ def profile_kernels(fn, label: str, out_dir: Path, replays: int = 5,
     rows.sort(key=lambda e: -e.self_device_time_total)
     total = sum(e.self_device_time_total for e in rows) / replays
     lines = [f"-- {label}: {total / 1e3:.3f} ms of kernels per step, {sum(e.count for e in rows) // replays} launches"]
-    for e in rows[:14]:
+    for e in rows[:20]:
         lines.append(f"  {e.self_device_time_total / replays / 1e3:7.3f} ms  {e.count // replays:5d} x "
                      f"{e.self_device_time_total / max(1, e.count):7.2f} us  {e.key[:90]}")
     text = "\n".join(lines)
@@ -153,6 +165,12 @@ def main() -> None:
                     help="the LoRA kernels of the captured step (EngineConfig.decode_lora_kernels): bgmv (one program "
                          "per token), sgmv (tokens grouped by adapter on the device) or hybrid (BGMV shrink, SGMV "
                          "expand); comma-separated: each in turn, on the same model, pool and batch")
+    ap.add_argument("--rope-kv", default="fused",
+                    help="each layer's RoPE + KV-cache write as the engine's kernel path runs it (fused: one Triton "
+                         "kernel) or as torch ops (torch); comma-separated: each in turn, on the same model and batch")
+    ap.add_argument("--lora-side-stream", default="on",
+                    help="captured steps run each LoRA shrink on a side stream beside its base GEMM (on) or in line "
+                         "(off); comma-separated: each in turn")
     ap.add_argument("--profile", action="store_true",
                     help="also print the step's kernels by GPU time (torch.profiler over 5 replays per adapter count)")
     ap.add_argument("--out", default=os.environ.get("OUT", "perf/results"))
@@ -186,30 +204,41 @@ def main() -> None:
             check_decode_form_name(form, "--decode-lora-kernels")
         except ValueError as e:
             ap.error(str(e))
+    rope_kvs = args.rope_kv.split(",")
+    if not set(rope_kvs) <= {"fused", "torch"}:
+        ap.error(f"--rope-kv takes fused and/or torch, got {args.rope_kv!r}")
+    side_streams = args.lora_side_stream.split(",")
+    if not set(side_streams) <= {"on", "off"}:
+        ap.error(f"--lora-side-stream takes on and/or off, got {args.lora_side_stream!r}")
     page = args.page_size
     positions = torch.full((args.batch,), args.context, dtype=torch.int64)
     slots = torch.tensor([t[args.context // page] * page + args.context % page for t in tables])
     ids = torch.randint(0, cfg.vocab_size, (args.batch,))
-    base_bytes = model.weight_bytes()
+    base_bytes = step_weight_bytes(model, args.batch)
     elem = torch.tensor([], dtype=dtype).element_size()
     adapter_bytes = args.rank * sum(sum(cfg.projection_shape(m)) for m in PROJECTIONS) * cfg.num_layers * elem
     kv_bytes = args.batch * (args.context + 1) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
     rows = []
     capture_s = {}
     graphs = None
-    for form in forms:
-        if graphs is not None:  # the previous form's graphs: their memory goes back before the next capture
+    variants = [(form, rope_kv, side) for form in forms for rope_kv in rope_kvs for side in side_streams]
+    for form, rope_kv, side in variants:
+        if graphs is not None:  # the previous variant's graphs: their memory goes back before the next capture
             graphs = None
             torch.cuda.empty_cache()
+        model.fuse_rope_kv = rope_kv == "fused"
+        lora_batch.SIDE_STREAM = side == "on"
         graphs = DecodeGraphs(model, kv, scratch, args.batch, blocks, max(max(counts), 1), args.rank,
                               decode_form=form)
-        print(f"LoRA kernels of the decode step: {form}", flush=True)
+        label = f"{form}, rope+kv {rope_kv}, side stream {side}"
+        print(f"LoRA kernels of the decode step: {form}; RoPE + KV write: {rope_kv}; LoRA side stream: {side}",
+              flush=True)
         graphs.buckets = [args.batch]
         t0 = time.perf_counter()
         graphs._reset_padding(args.batch)
         graphs._capture(args.batch, True)
         graphs._capture(args.batch, False)
-        capture_s[form] = round(time.perf_counter() - t0, 1)
+        capture_s[label] = round(time.perf_counter() - t0, 1)
         for n in counts:
             inputs = DecodeInputs(
                 ids,
@@ -223,7 +252,7 @@ def main() -> None:
             step_ms = time_ms(lambda inputs=inputs, graphs=graphs: graphs.run(inputs), args.iters)
             if args.profile:
                 try:
-                    profile_kernels(lambda inputs=inputs, graphs=graphs: graphs.run(inputs), f"{form}, {n} adapters",
+                    profile_kernels(lambda inputs=inputs, graphs=graphs: graphs.run(inputs), f"{label}, {n} adapters",
                                     Path(args.out))
                 except Exception as exc:  # a profiler that cannot see graph kernels must not cost the timing rows
                     print(f"profile of {n} adapters failed: {exc!r}", flush=True)
@@ -231,6 +260,8 @@ def main() -> None:
             rows.append(
                 {
                     "lora_kernels": form,
+                    "rope_kv": rope_kv,
+                    "side_stream": side,
                     "adapters": n,
                     "step_ms": round(step_ms, 3),
                     "floor_ms": round(floor_ms, 3),
@@ -262,14 +293,18 @@ def main() -> None:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "decode_step.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
-    print(f"{'adapters':>8} {'step ms':>8} {'floor ms':>9} {'x floor':>8} {'tok/s':>9} {'vs base':>8}  LoRA kernels")
-    base_ms = {r["lora_kernels"]: r["step_ms"] for r in rows if r["adapters"] == 0}
+    print(f"{'adapters':>8} {'step ms':>8} {'floor ms':>9} {'x floor':>8} {'tok/s':>9} {'vs base':>8}  LoRA kernels, "
+          "RoPE + KV write, LoRA side stream")
+    def variant(r: dict) -> tuple[str, ...]:
+        return r["lora_kernels"], r["rope_kv"], r["side_stream"]
+
+    base_ms = {variant(r): r["step_ms"] for r in rows if r["adapters"] == 0}
     for r in rows:
-        base = base_ms.get(r["lora_kernels"])
+        base = base_ms.get(variant(r))
         rel = f"{r['step_ms'] / base:8.2f}" if base else " " * 8
         print(
             f"{r['adapters']:>8} {r['step_ms']:>8.3f} {r['floor_ms']:>9.3f} {r['step_over_floor']:>8.2f} "
-            f"{r['tokens_per_s']:>9.1f} {rel}  {r['lora_kernels']}"
+            f"{r['tokens_per_s']:>9.1f} {rel}  {', '.join(variant(r))}"
         )
 
 

@@ -195,31 +195,45 @@ def bench_lora(name, in_f, widths, rank, num_tokens, distinct, uni, copy_bw, for
             )
 
 
-def sweep(copy_bw, gen):
-    """Shrink BGMV configs around the heuristic on qkv (tuning aid)."""
-    in_f, widths, rank = 4096, (4096, 1024, 1024), 16
-    uni = Universe(in_f, widths, rank, 64)
-    for num_tokens, distinct in ((1, 1), (16, 16), (64, 64), (256, 64)):
-        batches = [Batch(uni, num_tokens, distinct, gen) for _ in range(64)]
-        ranks = torch.full((3, distinct), rank, dtype=torch.int32, device="cuda")
-        x = torch.randn(num_tokens, in_f, dtype=DTYPE, device="cuda")
-        y = torch.zeros(3, num_tokens, rank, device="cuda")
-        nbytes = distinct * 3 * rank * in_f * 2 + x.numel() * 2 + 2 * y.numel() * 4
-        heur = shrink_config(num_tokens, in_f, rank, False, num_slices=3)
-        results = []
-        for block_k, split, warps in itertools.product((128, 256, 512), (1, 2, 4, 8, 16, 32), (2, 4, 8)):
-            if split > in_f // block_k or (warps != 4 and block_k != heur["BLOCK_K"]):
-                continue
-            cfg = {"BLOCK_R": 16, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": warps}
-            calls = [partial(lora_shrink, x, uni.pool, b.a_offs, ranks, b.slots, y, config=cfg) for b in batches]
-            us = bench(cycling(calls))
-            results.append((us, cfg))
-            RESULTS.append({"kind": "sweep", "tokens": num_tokens, "distinct": distinct, "us": us, "config": cfg,
-                            "x_floor": us / (nbytes / copy_bw * 1e6)})  # fmt: skip
-        results.sort(key=lambda r: r[0])
-        print(f"  sweep T={num_tokens} d={distinct}: heuristic {heur}")
-        for us, cfg in results[:6]:
-            print(f"    {us:7.2f} us ({us / (nbytes / copy_bw * 1e6):5.2f}x floor) {cfg}")
+def sweep(copy_bw, gen, modules=("qkv",)):
+    """Shrink BGMV configs around the heuristic, per module at rank 16 (tuning aid): BLOCK_K x SPLIT_K at 4 warps,
+    and 2 / 8 warps at the heuristic's BLOCK_K."""
+    rank = 16
+    print("BGMV shrink sweep (rank 16): the heuristic's choice and the best configs", flush=True)
+    for name in modules:
+        in_f, widths = MODULES[name]
+        ns = len(widths)
+        uni = Universe(in_f, widths, rank, 64)
+        for num_tokens, distinct in ((1, 1), (16, 16), (64, 64), (256, 64)):
+            nsets = max(1, min(64, math.ceil(3 * L2_BYTES / (distinct * ns * rank * in_f * 2))))
+            batches = [Batch(uni, num_tokens, distinct, gen) for _ in range(nsets)]
+            ranks = torch.full((ns, distinct), rank, dtype=torch.int32, device="cuda")
+            x = torch.randn(num_tokens, in_f, dtype=DTYPE, device="cuda")
+            y = torch.zeros(ns, num_tokens, rank, device="cuda")
+            nbytes = distinct * ns * rank * in_f * 2 + x.numel() * 2 + 2 * y.numel() * 4
+            floor_us = nbytes / copy_bw * 1e6
+            heur = shrink_config(num_tokens, in_f, rank, False, num_slices=ns)
+
+            def time_of(cfg, x=x, y=y, ranks=ranks, batches=batches, pool=uni.pool):
+                return bench(cycling([partial(lora_shrink, x, pool, b.a_offs, ranks, b.slots, y, config=cfg)
+                                      for b in batches]))  # fmt: skip
+
+            t_heur = time_of(heur)
+            results = []
+            for block_k, split, warps in itertools.product((128, 256, 512), (1, 2, 4, 8, 16, 32), (2, 4, 8)):
+                if split > in_f // block_k or (warps != 4 and block_k != heur["BLOCK_K"]):
+                    continue
+                cfg = {"BLOCK_R": 16, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": warps}
+                results.append((time_of(cfg), cfg))
+            results.sort(key=lambda r: r[0])
+            RESULTS.append({"kind": "shrink_sweep", "module": name, "tokens": num_tokens, "distinct": distinct,
+                            "floor_us": floor_us, "heuristic_us": t_heur, "heuristic_config": heur,
+                            "tried": [{"us": us, "config": c} for us, c in results]})  # fmt: skip
+            best = ", ".join(f"{us:.2f} us K{c['BLOCK_K']}/s{c['SPLIT_K']}/{c['num_warps']}w" for us, c in results[:3])
+            print(f"  {name:7s} T={num_tokens:3d} d={distinct:2d}: floor {floor_us:6.2f} us | heuristic {t_heur:7.2f} "
+                  f"({t_heur / floor_us:4.2f}x, K{heur['BLOCK_K']}/s{heur['SPLIT_K']}) | best {best}", flush=True)
+        del uni
+        torch.cuda.empty_cache()
 
 
 def sweep_expand(copy_bw, gen, modules):
@@ -323,7 +337,7 @@ def main():
                         help="comma-separated launch forms: bgmv (one program per token), sgmv (host-built segments), "
                              "sgmv-device (fixed-shape segments built on the device, as a CUDA-graph decode step "
                              "with decode_lora_kernels=sgmv launches); default bgmv,sgmv,sgmv-device")
-    parser.add_argument("--sweep", action="store_true", help="also sweep shrink configs on qkv")
+    parser.add_argument("--sweep", action="store_true", help="also sweep BGMV shrink configs (on --modules)")
     parser.add_argument("--sweep-expand", action="store_true",
                         help="BGMV expand: old tile body against the row-streaming one, and the row form's configs")
     parser.add_argument("--sweep-only", action="store_true", help="run the requested sweeps only")
@@ -338,7 +352,7 @@ def main():
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     print(f"copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s", flush=True)
     if args.sweep:
-        sweep(copy_bw, gen)
+        sweep(copy_bw, gen, args.modules.split(","))
     if args.sweep_expand:
         sweep_expand(copy_bw, gen, args.modules.split(","))
     if args.sweep_only:

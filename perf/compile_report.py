@@ -258,11 +258,13 @@ def moe_pair_launches(tokens: int = 64, distinct: int = 8, rank: int = 16) -> No
 
 
 def other_launches(batch: int = 64, seq: int = 1024) -> None:
-    """Paged decode attention (32 q / 8 kv heads, d 128, page 16), add+RMSNorm and silu*mul at the 8B shapes."""
+    """Paged decode attention (32 q / 8 kv heads, d 128, page 16), add+RMSNorm, silu*mul and RoPE + KV write at the
+    8B shapes."""
     import torch
 
     from kernels.add_rms_norm import add_rms_norm
     from kernels.paged_attention import paged_decode_attention
+    from kernels.rope_kv import rope_kv_write
     from kernels.silu_mul import silu_mul
 
     num_layers, page, nkv, d = 32, 16, 8, 128
@@ -276,6 +278,11 @@ def other_launches(batch: int = 64, seq: int = 1024) -> None:
     hidden = torch.empty(batch, 4096, dtype=torch.bfloat16)
     add_rms_norm(hidden, torch.empty_like(hidden), torch.empty(4096, dtype=torch.bfloat16), 1e-5)
     silu_mul(torch.empty(batch, 2 * 14336, dtype=torch.bfloat16))
+    qkv = torch.empty(batch, (32 + 2 * nkv) * d, dtype=torch.bfloat16)
+    cos = torch.empty(seq, d, dtype=torch.bfloat16)
+    rope_kv_write(qkv[:, : 40 * d].view(batch, 40, d), qkv[:, 40 * d:].view(batch, nkv, d),
+                  torch.zeros(batch, dtype=torch.int64), cos, torch.empty_like(cos),
+                  pool.view(-1, num_layers, 2, page, nkv, d), 5, torch.arange(batch, dtype=torch.int64), 32)
 
 
 def main() -> None:

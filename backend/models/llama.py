@@ -79,13 +79,15 @@ class LlamaModel:
     """Weights on one device and a forward pass over a flat batch of tokens.
 
     ``use_kernels`` (set by the engine on its kernel path) runs the residual add + RMSNorm as one
-    Triton kernel unless ``fuse_add_norm`` is off, and the MLP's silu(gate) * up as one unless
-    ``fuse_silu_mul`` is off; the decode attention kernel is chosen by the batch (``StepBatch.decode``).
+    Triton kernel unless ``fuse_add_norm`` is off, the MLP's silu(gate) * up as one unless ``fuse_silu_mul`` is
+    off, and each layer's q/k norm, rotary embedding and KV-cache write as one unless ``fuse_rope_kv`` is off; the
+    decode attention kernel is chosen by the batch (``StepBatch.decode``).
     """
 
     use_kernels: bool = False
     fuse_add_norm: bool = True
     fuse_silu_mul: bool = True
+    fuse_rope_kv: bool = True
     comm: Comm | None = None  # a tensor-parallel rank's collectives (backend/tp_runtime.py); None: one device
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], max_len: int, device: str,
@@ -224,8 +226,9 @@ class LlamaModel:
 
     def prepare_step(self, batch: StepBatch, kv: PagedKVCache) -> None:
         """Tables every layer shares, computed once per forward (inside a graph when captured)."""
-        batch.rope_cos, batch.rope_sin = self.rope.lookup(batch.positions)
-        batch.kv_pages, batch.kv_offsets = kv.locate(batch.kv_slots)
+        if not (self.use_kernels and self.fuse_rope_kv):  # the fused kernel reads positions and slots itself
+            batch.rope_cos, batch.rope_sin = self.rope.lookup(batch.positions)
+            batch.kv_pages, batch.kv_offsets = kv.locate(batch.kv_slots)
         batch.prefill_groups = build_groups(batch.sequences, batch.positions, kv.page_size,
                                             self.cfg.sliding_window) if batch.sequences else None
 
@@ -238,13 +241,19 @@ class LlamaModel:
         # q and k heads side by side ([T, nh + nkv, d], a view of qkv): one norm and one rotation for both
         qk = qkv[:, : q_out + kv_out].view(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, q_out + kv_out:].view(T, cfg.num_kv_heads, cfg.head_dim)
-        if w.qk_norm is not None:
-            qk = rms_norm(qk, w.qk_norm, cfg.rms_norm_eps)
-        table = (batch.rope_cos, batch.rope_sin) if batch.rope_cos is not None else None
-        qk = self.rope.apply(qk, batch.positions, table)
-        q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads:]
-        located = (batch.kv_pages, batch.kv_offsets) if batch.kv_pages is not None else None
-        kv.write(i, batch.kv_slots, k, v, located)
+        if self.use_kernels and self.fuse_rope_kv:
+            from kernels.rope_kv import rope_kv_write
+
+            q = rope_kv_write(qk, v, batch.positions, self.rope.cos, self.rope.sin, kv.storage, i, batch.kv_slots,
+                              cfg.num_heads, w.qk_norm, cfg.rms_norm_eps)
+        else:
+            if w.qk_norm is not None:
+                qk = rms_norm(qk, w.qk_norm, cfg.rms_norm_eps)
+            table = (batch.rope_cos, batch.rope_sin) if batch.rope_cos is not None else None
+            qk = self.rope.apply(qk, batch.positions, table)
+            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads:]
+            located = (batch.kv_pages, batch.kv_offsets) if batch.kv_pages is not None else None
+            kv.write(i, batch.kv_slots, k, v, located)
         out = torch.empty((T, cfg.num_heads, cfg.head_dim), dtype=q.dtype, device=q.device)
         if batch.decode is not None:
             self._decode_attention(q, out, i, batch.decode, kv)

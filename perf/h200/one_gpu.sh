@@ -24,11 +24,14 @@
 #                                            # against BASE, kernel benchmark, headline at n = 5, 2000    ~9.5 min
 #   bash perf/h200/one_gpu.sh step_kernels $OUT  # the headline, then the decode step's kernels by GPU time at 0 and 64
 #                                            # adapters (torch.profiler), this tree and BASE             ~9 min
+#   bash perf/h200/one_gpu.sh fuse $OUT      # the fused RoPE + KV write: compiled tests, decode step with it and
+#                                            # without, LoRA side stream on / off (one process), profiles,
+#                                            # the BGMV shrink sweep                                       ~9 min
 #   bash perf/h200/one_gpu.sh server $OUT    # tritonserver: TTFT at 50/90% of SATURATION, perf_analyzer at
 #                                            # concurrency 16 and request rates PA_RATES                    ~8 min
 # DECODE_LORA (bgmv|sgmv) and PREFILL (sdpa|paged) pick the engine's kernels in the headline part.
 set -u
-PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, headline, mixed, final, profile or server}
+PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, headline, mixed, final, profile or server}
 OUT=${2:-/tmp/h200}
 ROOT=$PWD
 BASE=${BASE:-$ROOT/.baseline_s9}
@@ -228,6 +231,29 @@ step_kernels)
     echo "== headline"; grep -E "^\| engine|ratio" "$W/headline/summary.md" | head -20
     step_lines "^--|^  +[0-9.]+ ms"
   } > "$OUT/step_kernels.txt" 2>&1
+  ;;
+fuse)
+  PYTHONPATH=$ROOT TRITON_INTERPRET=0 timeout 170 python3 -m pytest -q -p no:cacheprovider \
+    tests/kernels/test_rope_kv.py tests/kernels/test_lora_kernels.py tests/kernels/test_engine_kernels.py \
+    tests/kernels/test_step_graphs.py -k "not sgmv and not hybrid" > "$W/gpu_tests.txt" 2>&1
+  stamp "compiled tests" $?
+  PYTHONPATH=$ROOT timeout 190 python3 -m perf.bench_decode_step --rope-kv fused,torch --lora-side-stream on,off \
+    --out "$W/step" > "$W/step.txt" 2>&1
+  stamp "decode step: rope+kv fused / torch x side stream on / off" $?
+  PYTHONPATH=$ROOT timeout 100 python3 -m perf.bench_decode_step --rope-kv fused,torch --adapters 0,64 --profile \
+    --out "$W/step_profile" > "$W/step_profile.txt" 2>&1
+  stamp "decode step profiles" $?
+  left=$((575 - ($(date +%s) - T0)))
+  PYTHONPATH=$ROOT timeout $((left > 30 ? left : 30)) python3 perf/bench_kernels.py --sweep --sweep-only --rep-ms 5 \
+    --out "$W/shrink_sweep.jsonl" > "$W/shrink_sweep.txt" 2>&1
+  stamp "shrink sweep" $?
+  {
+    cat "$W/gpu.txt" "$W/times.txt"
+    echo "== compiled tests"; grep -E "passed|failed|FAILED|rror" "$W/gpu_tests.txt" | tail -n 8
+    echo "== decode step"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$W/step.txt" | cut -c1-200
+    echo "== profiles"; grep -E "^--|^  +[0-9.]+ ms" "$W/step_profile.txt" | cut -c1-110
+    echo "== shrink sweep"; grep -E "T=" "$W/shrink_sweep.txt" | cut -c1-200
+  } > "$OUT/fuse.txt" 2>&1
   ;;
 headline)
   headline headline 330 --adapters 5 100 1000 2000 --decode-lora-kernels "${DECODE_LORA:-bgmv}" \

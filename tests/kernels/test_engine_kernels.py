@@ -40,8 +40,9 @@ def _skip_experimental_on_cuda(device: str, decode_lora: str) -> None:
 def test_kernel_path_matches_peft(tmp_path, device, family, prefill_attention, fused, decode_lora):
     """Mixed adapters/ranks/base requests; prefill chunks through torch's attention or as rows of the
     paged kernel (Mistral: its sliding window sends tokens past the window back to torch); residual
-    add + RMSNorm and silu(gate) * up fused or as torch ops; small (decode) steps' LoRA one program per token
-    (bgmv), grouped by adapter (sgmv), or the first for the shrink and the second for the expand (hybrid)."""
+    add + RMSNorm, silu(gate) * up and the q/k norm + RoPE + KV write fused or as torch ops; small (decode)
+    steps' LoRA one program per token (bgmv), grouped by adapter (sgmv), or the first for the shrink and the
+    second for the expand (hybrid)."""
     _skip_experimental_on_cuda(device, decode_lora)
     extra = {"qwen3": {"head_dim": 24}, "mistral": {"sliding_window": 10}}.get(family, {})
     base = make_base(tmp_path / "base", family, seed=31, **extra)
@@ -52,8 +53,10 @@ def test_kernel_path_matches_peft(tmp_path, device, family, prefill_attention, f
                                                      targets=rng.sample(ALL, rng.randint(1, 7)), seed=40 + i))
     engine = Engine(EngineConfig(model_dir=str(base), adapters=adapters, device=device, dtype="float32",
                                  kernels="triton", max_lora_rank=16, page_size=8, prefill_attention=prefill_attention,
-                                 fuse_add_norm=fused, fuse_silu_mul=fused, decode_lora_kernels=decode_lora))
+                                 fuse_add_norm=fused, fuse_silu_mul=fused, fuse_rope_kv=fused,
+                                 decode_lora_kernels=decode_lora))
     assert engine.model.fuse_add_norm is fused and engine.model.fuse_silu_mul is fused
+    assert engine.model.fuse_rope_kv is fused
     assert engine.steps.decode_form == decode_lora
     try:
         names = [None, *adapters]
