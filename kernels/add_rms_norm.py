@@ -12,7 +12,6 @@ import triton
 import triton.language as tl
 
 from kernels.lora_meta import FLOAT_DTYPES, check_shape, check_tensor
-from kernels.pdl import grid_dependency_wait, launch_meta
 from kernels.relaunch import relauncher
 
 __all__ = ["add_rms_norm"]
@@ -33,9 +32,7 @@ def _add_rms_norm_kernel(
     eps,
     HAS_DELTA: tl.constexpr,
     BLOCK: tl.constexpr,
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
-    grid_dependency_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -87,7 +84,7 @@ def add_rms_norm(
         return out, total
     block = triton.next_power_of_2(n_cols)
     launch = relauncher(_add_rms_norm_kernel, HAS_DELTA=delta is not None, BLOCK=block,
-                        num_warps=8 if block >= 4096 else 4, **launch_meta(x.device))
+                        num_warps=8 if block >= 4096 else 4)
     launch(
         (num_rows,), x, delta if delta is not None else x, weight, total, out,
         n_cols, x.stride(0), (delta if delta is not None else x).stride(0), total.stride(0), out.stride(0), float(eps),

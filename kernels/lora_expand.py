@@ -24,7 +24,6 @@ import triton.language as tl
 from kernels.expand_tiles import add_scaled, bgmv_expand_rows, bgmv_expand_tile, load_b_rows, rows_aligned
 from kernels.lora_config import expand_config
 from kernels.lora_meta import FLOAT_DTYPES, SegmentMeta, cdiv, check_segments, check_shape, check_tensor
-from kernels.pdl import grid_dependency_wait, launch_meta
 from kernels.relaunch import Relauncher, relauncher
 
 __all__ = ["ExpandLaunch", "lora_expand", "prepare_expand"]
@@ -68,9 +67,7 @@ def _lora_expand_bgmv_kernel(
     ROW_ALIGN: tl.constexpr,  # elements in 16 bytes of the pool dtype
     COL_ALIGN: tl.constexpr,  # elements in 16 bytes of the pool or output dtype, the more
     ROWS: tl.constexpr,  # B^T streamed row by row (bgmv_expand_rows); False: the [BLOCK_R, BLOCK_N] tile
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
-    grid_dependency_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     slice_id = tl.program_id(2)
@@ -383,7 +380,7 @@ def prepare_expand(
              "COL_ALIGN": 16 // min(pool.element_size(), base_out.element_size())}
     if segments is None:
         cfg = dict(config or expand_config(num_tokens, max_out, max_rank, segmented=False, num_slices=num_slices))
-        meta = {"ROWS": True, **cfg, **align, **launch_meta(device)}
+        meta = {"ROWS": True, **cfg, **align}
         return ExpandLaunch((num_tokens, cdiv(max_out, cfg["BLOCK_N"]), num_slices), meta, bounds, single,
                             relaunch=relauncher(_lora_expand_bgmv_kernel, **meta))
     check_segments(segments, num_tokens, device)

@@ -30,7 +30,6 @@ import triton.language as tl
 
 from kernels.lora_config import grid_split, shrink_config, shrink_meta
 from kernels.lora_meta import FLOAT_DTYPES, SegmentMeta, check_segments, check_shape, check_tensor
-from kernels.pdl import grid_dependency_wait, launch_meta
 from kernels.relaunch import Relauncher, relauncher
 
 __all__ = ["ShrinkLaunch", "lora_shrink", "prepare_shrink"]
@@ -140,9 +139,7 @@ def _lora_shrink_bgmv_kernel(
     ATOMIC: tl.constexpr,  # split_k > 1: partial sums are added into the zeroed output
     EVEN_K: tl.constexpr,
     ROW_ALIGN: tl.constexpr,  # elements in 16 bytes of the pool dtype
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
-    grid_dependency_wait(PDL)
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     slice_id = tl.program_id(2) // NUM_R_BLOCKS
@@ -416,7 +413,7 @@ def prepare_shrink(
         cfg.update(config or {})
         num_r_blocks, k_split_len, split_k = grid_split(cfg, in_features, max_rank)
         meta = {**shrink_meta(cfg), "NUM_R_BLOCKS": num_r_blocks, "EVEN_K": in_features % cfg["BLOCK_K"] == 0,
-                "ROW_ALIGN": row_align, **launch_meta(device)}
+                "ROW_ALIGN": row_align}
         return ShrinkLaunch((num_tokens, split_k, num_slices * num_r_blocks), meta, k_split_len, split_k,
                             zero_out=split_k > 1 and not out_is_zero, single=single,
                             relaunch=relauncher(_lora_shrink_bgmv_kernel, **meta))

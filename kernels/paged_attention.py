@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 from kernels.lora_meta import FLOAT_DTYPES, check_tensor
-from kernels.pdl import grid_dependency_wait, launch_meta
 from kernels.relaunch import relauncher
 
 __all__ = ["paged_decode_attention", "attention_config"]
@@ -65,9 +64,7 @@ def _paged_decode_attention_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HAS_TABLE_ROWS: tl.constexpr,
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
-    grid_dependency_wait(PDL)
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -214,7 +211,7 @@ def paged_decode_attention(
     stride_page = num_layers * stride_layer
     cfg = dict(config or attention_config(group, head_dim, page_size))
     launch = relauncher(_paged_decode_attention_kernel, PAGE_SIZE=page_size, GROUP=group, DOT_PRECISION="ieee",
-                        HAS_TABLE_ROWS=table_rows is not None, **cfg, **launch_meta(q.device))
+                        HAS_TABLE_ROWS=table_rows is not None, **cfg)
     launch(
         (batch, num_kv_heads), q, pool, block_tables, seq_lens if table_rows is None else table_rows, seq_lens, out,
         layer, head_dim, float(scale) * _LOG2E,

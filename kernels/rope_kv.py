@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 from kernels.lora_meta import FLOAT_DTYPES, check_shape, check_tensor
-from kernels.pdl import grid_dependency_wait, launch_meta
 from kernels.relaunch import relauncher
 
 __all__ = ["rope_kv_write"]
@@ -55,10 +54,8 @@ def _rope_kv_write_kernel(
     BLOCK_V: tl.constexpr,  # >= NKV, a power of two
     BLOCK_D: tl.constexpr,  # >= D, a power of two (each half's columns: BLOCK_D // 2)
     NORM: tl.constexpr,
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
     """Program (t, 0): token t's q and k heads, a [BLOCK_H, BLOCK_D] tile; program (t, 1): its v heads."""
-    grid_dependency_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
@@ -187,8 +184,7 @@ def rope_kv_write(
     block_h, block_d = triton.next_power_of_2(heads), triton.next_power_of_2(head_dim)
     relaunch = relauncher(_rope_kv_write_kernel, NQ=num_q_heads, NKV=num_kv_heads, D=head_dim, BLOCK_H=block_h,
                           BLOCK_V=triton.next_power_of_2(num_kv_heads), BLOCK_D=block_d, NORM=norm is not None,
-                          num_warps=4 if block_h * block_d >= 2048 else 1, enable_fp_fusion=False,
-                          **launch_meta(device))
+                          num_warps=4 if block_h * block_d >= 2048 else 1, enable_fp_fusion=False)
     relaunch(
         (num_tokens, 2), qk, v, positions, cos, sin, slots, kv,
         norm if norm is not None else qk, layer, kv.shape[3], eps,

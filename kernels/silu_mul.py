@@ -14,7 +14,6 @@ import triton
 import triton.language as tl
 
 from kernels.lora_meta import FLOAT_DTYPES, cdiv, check_tensor
-from kernels.pdl import grid_dependency_wait, launch_meta
 from kernels.relaunch import relauncher
 
 __all__ = ["silu_mul"]
@@ -30,9 +29,7 @@ def _silu_mul_kernel(
     stride_g,
     stride_o,
     BLOCK: tl.constexpr,
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
-    grid_dependency_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -69,6 +66,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if num_rows == 0 or width == 0:
         return out
     block = min(BLOCK, triton.next_power_of_2(width))
-    relaunch = relauncher(_silu_mul_kernel, BLOCK=block, num_warps=4, **launch_meta(gate_up.device))
+    relaunch = relauncher(_silu_mul_kernel, BLOCK=block, num_warps=4)
     relaunch((num_rows, cdiv(width, block)), gate_up, out, width, gate_up.stride(0), out.stride(0))
     return out

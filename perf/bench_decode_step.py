@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 
-import kernels.pdl as kernels_pdl
 from backend import lora_batch
 from backend.adapter import AdapterSpec
 from backend.adapter_packing import PackedAdapter, _layout
@@ -172,9 +171,6 @@ def main() -> None:
     ap.add_argument("--lora-side-stream", default="on",
                     help="captured steps run each LoRA shrink on a side stream beside its base GEMM (on) or in line "
                          "(off); comma-separated: each in turn")
-    ap.add_argument("--pdl", default="off",
-                    help="the step's Triton kernels launched with programmatic dependent launch (on: kernels/pdl.py, "
-                         "MANYLORA_PDL=1) or plainly (off); comma-separated: each in turn")
     ap.add_argument("--profile", action="store_true",
                     help="also print the step's kernels by GPU time (torch.profiler over 5 replays per adapter count)")
     ap.add_argument("--out", default=os.environ.get("OUT", "perf/results"))
@@ -212,10 +208,8 @@ def main() -> None:
     if not set(rope_kvs) <= {"fused", "torch"}:
         ap.error(f"--rope-kv takes fused and/or torch, got {args.rope_kv!r}")
     side_streams = args.lora_side_stream.split(",")
-    pdls = args.pdl.split(",")
-    for flag, values in (("--lora-side-stream", side_streams), ("--pdl", pdls)):
-        if not set(values) <= {"on", "off"}:
-            ap.error(f"{flag} takes on and/or off, got {','.join(values)!r}")
+    if not set(side_streams) <= {"on", "off"}:
+        ap.error(f"--lora-side-stream takes on and/or off, got {args.lora_side_stream!r}")
     page = args.page_size
     positions = torch.full((args.batch,), args.context, dtype=torch.int64)
     slots = torch.tensor([t[args.context // page] * page + args.context % page for t in tables])
@@ -227,20 +221,18 @@ def main() -> None:
     rows = []
     capture_s = {}
     graphs = None
-    variants = [(form, rope_kv, side, pdl) for form in forms for rope_kv in rope_kvs for side in side_streams
-                for pdl in pdls]
-    for form, rope_kv, side, pdl in variants:
+    variants = [(form, rope_kv, side) for form in forms for rope_kv in rope_kvs for side in side_streams]
+    for form, rope_kv, side in variants:
         if graphs is not None:  # the previous variant's graphs: their memory goes back before the next capture
             graphs = None
             torch.cuda.empty_cache()
         model.fuse_rope_kv = rope_kv == "fused"
         lora_batch.SIDE_STREAM = side == "on"
-        kernels_pdl.ENABLED = pdl == "on"
         graphs = DecodeGraphs(model, kv, scratch, args.batch, blocks, max(max(counts), 1), args.rank,
                               decode_form=form)
-        label = f"{form}, rope+kv {rope_kv}, side stream {side}, pdl {pdl}"
-        print(f"LoRA kernels of the decode step: {form}; RoPE + KV write: {rope_kv}; LoRA side stream: {side}; "
-              f"PDL: {pdl}", flush=True)
+        label = f"{form}, rope+kv {rope_kv}, side stream {side}"
+        print(f"LoRA kernels of the decode step: {form}; RoPE + KV write: {rope_kv}; LoRA side stream: {side}",
+              flush=True)
         graphs.buckets = [args.batch]
         t0 = time.perf_counter()
         graphs._reset_padding(args.batch)
@@ -270,7 +262,6 @@ def main() -> None:
                     "lora_kernels": form,
                     "rope_kv": rope_kv,
                     "side_stream": side,
-                    "pdl": pdl,
                     "adapters": n,
                     "step_ms": round(step_ms, 3),
                     "floor_ms": round(floor_ms, 3),
@@ -303,9 +294,9 @@ def main() -> None:
     (Path(args.out) / "decode_step.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
     print(f"{'adapters':>8} {'step ms':>8} {'floor ms':>9} {'x floor':>8} {'tok/s':>9} {'vs base':>8}  LoRA kernels, "
-          "RoPE + KV write, LoRA side stream, PDL")
+          "RoPE + KV write, LoRA side stream")
     def variant(r: dict) -> tuple[str, ...]:
-        return r["lora_kernels"], r["rope_kv"], r["side_stream"], r["pdl"]
+        return r["lora_kernels"], r["rope_kv"], r["side_stream"]
 
     base_ms = {variant(r): r["step_ms"] for r in rows if r["adapters"] == 0}
     for r in rows:

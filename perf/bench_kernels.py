@@ -37,7 +37,6 @@ import torch
 import triton
 import triton.testing
 
-import kernels.pdl as kernels_pdl
 from kernels.lora_config import bgmv_tile_expand_config, expand_config, shrink_config
 from kernels.lora_expand import lora_expand
 from kernels.lora_meta import build_segments, build_segments_on_device, sgmv_block_m
@@ -344,19 +343,13 @@ def main():
     parser.add_argument("--sweep-only", action="store_true", help="run the requested sweeps only")
     parser.add_argument("--modules", default=",".join(MODULES), help="comma-separated subset of " + ",".join(MODULES))
     parser.add_argument("--rep-ms", type=int, default=REP_MS, help="do_bench_cudagraph rep (ms)")
-    parser.add_argument("--pdl", choices=["on", "off"], default=None,
-                        help="launch the kernels with programmatic dependent launch (kernels/pdl.py) or plainly; "
-                             "default: MANYLORA_PDL")
     args = parser.parse_args()
     REP_MS = args.rep_ms
-    if args.pdl is not None:
-        kernels_pdl.ENABLED = args.pdl == "on"
     start = time.time()
     gen = torch.Generator().manual_seed(0)
     copy_bw = copy_bandwidth()
-    RESULTS.append({"kind": "copy", "bytes_per_s": copy_bw, "pdl": kernels_pdl.ENABLED})
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"PDL {'on' if kernels_pdl.ENABLED else 'off'}")
+    RESULTS.append({"kind": "copy", "bytes_per_s": copy_bw})
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     print(f"copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s", flush=True)
     if args.sweep:
         sweep(copy_bw, gen, args.modules.split(","))

@@ -27,13 +27,11 @@
 #   bash perf/h200/one_gpu.sh fuse $OUT      # the fused RoPE + KV write: compiled tests, decode step with it and
 #                                            # without, LoRA side stream on / off (one process), profiles,
 #                                            # the BGMV shrink sweep                                       ~9 min
-#   bash perf/h200/one_gpu.sh pdl $OUT       # programmatic dependent launch: compiled tests with it, decode step
-#                                            # with it and without (one process), kernel benchmark both ways ~9 min
 #   bash perf/h200/one_gpu.sh server $OUT    # tritonserver: TTFT at 50/90% of SATURATION, perf_analyzer at
 #                                            # concurrency 16 and request rates PA_RATES                    ~8 min
 # DECODE_LORA (bgmv|sgmv) and PREFILL (sdpa|paged) pick the engine's kernels in the headline part.
 set -u
-PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, pdl, headline, mixed, final, profile or server}
+PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, headline, mixed, final, profile or server}
 OUT=${2:-/tmp/h200}
 ROOT=$PWD
 BASE=${BASE:-$ROOT/.baseline_s9}
@@ -256,38 +254,6 @@ fuse)
     echo "== profiles"; grep -E "^--|^  +[0-9.]+ ms" "$W/step_profile.txt" | cut -c1-110
     echo "== shrink sweep"; grep -E "T=" "$W/shrink_sweep.txt" | cut -c1-200
   } > "$OUT/fuse.txt" 2>&1
-  ;;
-pdl)
-  PYTHONPATH=$ROOT TRITON_INTERPRET=0 timeout 40 python3 -m pytest -q -x -p no:cacheprovider --tb=short \
-    tests/kernels/test_rope_kv.py > "$W/rope_tests.txt" 2>&1
-  stamp "rope tests (PDL off)" $?
-  MANYLORA_PDL=1 PYTHONPATH=$ROOT TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -p no:cacheprovider \
-    tests/kernels/test_rope_kv.py tests/kernels/test_paged_attention.py tests/kernels/test_add_rms_norm.py \
-    tests/kernels/test_silu_mul.py tests/kernels/test_lora_kernels.py tests/kernels/test_engine_kernels.py \
-    tests/kernels/test_step_graphs.py \
-    -k "rope or paged or rms or silu or grid or rows or aligned or (llama-sdpa-True-bgmv) or (qwen3-sdpa-True-bgmv) \
-    or (replay_equals_eager and bgmv) or mixed_steps" > "$W/gpu_tests.txt" 2>&1
-  stamp "compiled tests (PDL on)" $?
-  PYTHONPATH=$ROOT timeout 150 python3 -m perf.bench_decode_step --pdl off,on --out "$W/step" > "$W/step.txt" 2>&1
-  stamp "decode step: PDL off / on" $?
-  for p in off on; do
-    PYTHONPATH=$ROOT timeout 50 python3 perf/bench_kernels.py --quick --rep-ms 5 --pdl $p \
-      --out "$W/kernels_pdl_$p.jsonl" > "$W/kernels_pdl_$p.txt" 2>&1
-    stamp "bench_kernels PDL $p" $?
-  done
-  left=$((575 - ($(date +%s) - T0)))
-  PYTHONPATH=$ROOT timeout $((left > 20 ? left : 20)) python3 -m perf.bench_decode_step --pdl off,on --adapters 0,64 \
-    --profile --out "$W/step_profile" > "$W/step_profile.txt" 2>&1
-  stamp "decode step profiles" $?
-  {
-    cat "$W/gpu.txt" "$W/times.txt"
-    echo "== rope tests (PDL off)"; grep -E "passed|failed|^E |Error|assert" "$W/rope_tests.txt" | head -n 14
-    echo "== compiled tests (PDL on)"; grep -E "passed|failed|FAILED|rror" "$W/gpu_tests.txt" | tail -n 8
-    echo "== decode step"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$W/step.txt" | cut -c1-200
-    echo "== LoRA kernels, bgmv, T = 16 / 64: us (x floor) [vs bmm]"
-    python3 perf/kernel_table.py "off=$W/kernels_pdl_off.jsonl" "on=$W/kernels_pdl_on.jsonl" --tokens 16 64
-    echo "== profiles"; grep -E "^--|^  +[0-9.]+ ms" "$W/step_profile.txt" | cut -c1-110 | head -60
-  } > "$OUT/pdl.txt" 2>&1
   ;;
 headline)
   headline headline 330 --adapters 5 100 1000 2000 --decode-lora-kernels "${DECODE_LORA:-bgmv}" \
