@@ -27,11 +27,13 @@
 #   bash perf/h200/one_gpu.sh fuse $OUT      # the fused RoPE + KV write: compiled tests, decode step with it and
 #                                            # without, LoRA side stream on / off (one process), profiles,
 #                                            # the BGMV shrink sweep                                       ~9 min
+#   bash perf/h200/one_gpu.sh fused $OUT     # the tree with the fused RoPE + KV write: its compiled tests and the
+#                                            # engine's, decode step with it and without, the headline    ~9 min
 #   bash perf/h200/one_gpu.sh server $OUT    # tritonserver: TTFT at 50/90% of SATURATION, perf_analyzer at
 #                                            # concurrency 16 and request rates PA_RATES                    ~8 min
 # DECODE_LORA (bgmv|sgmv) and PREFILL (sdpa|paged) pick the engine's kernels in the headline part.
 set -u
-PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, headline, mixed, final, profile or server}
+PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, headline, mixed, final, profile or server}
 OUT=${2:-/tmp/h200}
 ROOT=$PWD
 BASE=${BASE:-$ROOT/.baseline_s9}
@@ -254,6 +256,26 @@ fuse)
     echo "== profiles"; grep -E "^--|^  +[0-9.]+ ms" "$W/step_profile.txt" | cut -c1-110
     echo "== shrink sweep"; grep -E "T=" "$W/shrink_sweep.txt" | cut -c1-200
   } > "$OUT/fuse.txt" 2>&1
+  ;;
+fused)
+  PYTHONPATH=$ROOT TRITON_INTERPRET=0 timeout 170 python3 -m pytest -q -p no:cacheprovider \
+    tests/kernels/test_rope_kv.py tests/kernels/test_engine_kernels.py tests/kernels/test_step_graphs.py \
+    -k "rope or (llama-sdpa-True-bgmv) or (qwen3-sdpa-True-bgmv) or (mistral-paged-True-bgmv) \
+    or (replay_equals_eager and bgmv) or mixed_steps" > "$W/gpu_tests.txt" 2>&1
+  stamp "compiled tests" $?
+  PYTHONPATH=$ROOT timeout 120 python3 -m perf.bench_decode_step --rope-kv fused,torch --out "$W/step" \
+    > "$W/step.txt" 2>&1
+  stamp "decode step: rope+kv fused / torch" $?
+  left=$((570 - ($(date +%s) - T0)))
+  headline headline $((left > 30 ? left : 30)) --adapters 5 100 1000 2000
+  stamp "headline" $?
+  rm -rf "$W/work"
+  {
+    cat "$W/gpu.txt" "$W/times.txt"
+    echo "== compiled tests"; grep -E "passed|failed|FAILED|rror" "$W/gpu_tests.txt" | tail -n 8
+    echo "== decode step"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$W/step.txt" | cut -c1-200
+    echo "== headline"; grep -E "^\| engine|ratio" "$W/headline/summary.md" | head -20
+  } > "$OUT/fused.txt" 2>&1
   ;;
 headline)
   headline headline 330 --adapters 5 100 1000 2000 --decode-lora-kernels "${DECODE_LORA:-bgmv}" \
