@@ -10,7 +10,8 @@ Numerics follow those torch ops exactly: the optional norm as ``backend.models.l
 then times the weight and rounded again), then ``x * cos`` and ``rotate_half(x) * sin`` each rounded to the
 activation dtype, and their sum rounded once more. The kernel is compiled without floating-point fusion: with it,
 the compiler turns "bf16 product, rounded, plus bf16 product" into one bf16 FMA that skips the first rounding (one
-bf16 step off the torch ops in about a quarter of the elements, measured on the H200).
+bf16 step off the torch ops in ~24% of random elements as emulated on the CPU; the compiled test on the H200 caught
+it, perf/results/2026-12-01-h200/15_pdl).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kernels.lora_meta import FLOAT_DTYPES, check_shape, check_tensor
 from kernels.relaunch import relauncher
 
 __all__ = ["rope_kv_write"]
+
 
 @triton.jit(do_not_specialize=["layer", "eps"])  # the layer changes from call to call: no variants per layer
 def _rope_kv_write_kernel(
@@ -133,7 +135,8 @@ def rope_kv_write(
         qk: [T, NQ + NKV, D] fp16/bf16/fp32: the q heads then the k heads (a view of the q/k/v projection's
             output); unit stride along D. Its q heads are overwritten.
         v: [T, NKV, D], qk's dtype, unit stride along D.
-        positions: int64 [T]: each token's position (row of cos / sin).
+        positions: int64 [T]: each token's position (row of cos / sin), below max_len (not checked: the scheduler
+            keeps positions under the model's length).
         cos, sin: [max_len, D], qk's dtype, unit stride along D.
         kv: [pages, layers, 2, page_size, NKV, D], qk's dtype, contiguous (the unified pool's KV view).
         layer: the layer whose keys and values are written.
