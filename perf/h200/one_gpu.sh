@@ -75,15 +75,34 @@ step_lines() {
     grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth${1:+|$1}" "$W/step_$t.txt" | cut -c1-160
   done
 }
+# compiled_tests LIMIT PYTEST_ARGS...: the kernel tests compiled on the GPU (TRITON_INTERPRET=0) under LIMIT_S, into
+# $W/gpu_tests.txt, stamped
+compiled_tests() {
+  local limit=$1
+  shift
+  PYTHONPATH=$ROOT TRITON_INTERPRET=0 timeout "$limit" python3 -m pytest -q -p no:cacheprovider "$@" \
+    > "$W/gpu_tests.txt" 2>&1
+  stamp "compiled tests" $?
+}
+# summary_head: the GPU, the steps' exit codes and times, and the compiled tests' outcome, for a part's summary
+summary_head() {
+  cat "$W/gpu.txt" "$W/times.txt"
+  if [ -f "$W/gpu_tests.txt" ]; then
+    echo "== compiled tests"; grep -E "passed|failed|FAILED|rror" "$W/gpu_tests.txt" | tail -n 8
+  fi
+}
+# headline_lines [DIR]: the headline table rows and ratios of $W/DIR (default headline)
+headline_lines() {
+  echo "== ${1:-headline}"; grep -E "^\| engine|ratio" "$W/${1:-headline}/summary.md" | head -20
+}
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv > "$W/gpu.txt" 2>&1
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' >> "$W/gpu.txt" 2>&1
 
 case "$PART" in
 kernels)
-  PYTHONPATH=$ROOT TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -p no:cacheprovider \
+  compiled_tests 200 \
     tests/kernels/test_lora_kernels.py tests/kernels/test_lora_segments.py tests/kernels/test_lora_batch.py \
-    tests/kernels/test_engine_kernels.py > "$W/gpu_tests.txt" 2>&1
-  stamp "compiled tests" $?
+    tests/kernels/test_engine_kernels.py
   PYTHONPATH=$ROOT timeout 130 python3 -m perf.bench_decode_step --decode-lora-kernels bgmv,sgmv \
     --out "$W/step_new" > "$W/step_new.txt" 2>&1
   stamp "decode step new (bgmv, sgmv)" $?
@@ -95,8 +114,7 @@ kernels)
     --forms bgmv,sgmv-device --rep-ms 5 --out "$W/kernels_new.jsonl" > "$W/kernels_new.txt" 2>&1
   stamp "bench_kernels new" $?
   {
-    cat "$W/gpu.txt" "$W/times.txt"
-    echo "== compiled tests"; grep -E "passed|failed|error" "$W/gpu_tests.txt" | tail -n 4
+    summary_head
     for s in new base; do echo "== decode step $s"; grep -E "^ *[0-9]+ +[0-9.]+ |^LoRA kernels|copy" "$W/step_$s.txt"; done
     echo "== LoRA kernels at decode sizes: us (x floor) [vs bmm]"
     python3 perf/kernel_table.py "new=$W/kernels_new.jsonl" --tokens 16 64
@@ -145,10 +163,9 @@ EOF2
     --out "$W/kernels_base.jsonl") > "$W/kernels_base.txt" 2>&1
   stamp "bench_kernels baseline" $?
   {
-    cat "$W/gpu.txt" "$W/times.txt"
-    echo "== compiled tests"; grep -E "passed|failed|FAILED|rror" "$W/gpu_tests.txt" | tail -n 6
+    summary_head
     echo "== decode step"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$W/step.txt" | cut -c1-200
-    echo "== headline"; grep -E "^\| engine|ratio" "$W/headline/summary.md" | head -20
+    headline_lines
     echo "== LoRA kernels T=64, this tree and BASE: us (x floor) [vs bmm]"
     python3 perf/kernel_table.py "new=$W/kernels_new.jsonl" "base=$W/kernels_base.jsonl" --tokens 64
   } > "$OUT/forms.txt" 2>&1
@@ -156,11 +173,9 @@ EOF2
 expand)
   # the BGMV expand with its 16-byte paths off (BGMV_EXPAND_VECTOR): compiled tests of the BGMV paths, the decode step
   # of this tree and of BASE, the kernel benchmark, then the headline
-  PYTHONPATH=$ROOT TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q -x -p no:cacheprovider \
+  compiled_tests 200 -x \
     tests/kernels/test_lora_kernels.py tests/kernels/test_lora_segments.py tests/kernels/test_lora_batch.py tests/kernels/test_engine_kernels.py \
-    -k "not sgmv and not hybrid" \
-    > "$W/gpu_tests.txt" 2>&1
-  stamp "compiled tests" $?
+    -k "not sgmv and not hybrid"
   decode_steps 100
   kernels_quick 40
   left=$((570 - ($(date +%s) - T0)))
@@ -168,10 +183,9 @@ expand)
   stamp "headline" $?
   rm -rf "$W/work"
   {
-    cat "$W/gpu.txt" "$W/times.txt"
-    echo "== compiled tests"; grep -E "passed|failed|FAILED|rror" "$W/gpu_tests.txt" | tail -n 6
+    summary_head
     step_lines
-    echo "== headline"; grep -E "^\| engine|ratio" "$W/headline/summary.md" | head -20
+    headline_lines
     echo "== LoRA kernels, bgmv, T = 16 / 64: us (x floor) [vs bmm]"
     python3 perf/kernel_table.py "new=$W/kernels_new.jsonl" --tokens 16 64
   } > "$OUT/expand.txt" 2>&1
@@ -180,10 +194,9 @@ rows)
   # the BGMV expand streaming B^T row by row (kernels/lora_expand.py bgmv_expand_rows): compiled tests of the BGMV
   # paths and the graphs, the expand sweep (the old tile body and the rows body in one process), the decode step of
   # this tree and of BASE, the kernel benchmark
-  PYTHONPATH=$ROOT TRITON_INTERPRET=0 timeout 240 python3 -m pytest -q -p no:cacheprovider \
+  compiled_tests 240 \
     tests/kernels/test_lora_kernels.py tests/kernels/test_engine_kernels.py tests/kernels/test_step_graphs.py \
-    tests/kernels/test_decode_graph_forms.py -k "not sgmv and not hybrid" > "$W/gpu_tests.txt" 2>&1
-  stamp "compiled tests" $?
+    tests/kernels/test_decode_graph_forms.py -k "not sgmv and not hybrid"
   PYTHONPATH=$ROOT timeout 120 python3 perf/bench_kernels.py --sweep-expand --sweep-only --rep-ms 5 \
     --out "$W/expand_sweep.jsonl" > "$W/expand_sweep.txt" 2>&1
   stamp "expand sweep" $?
@@ -191,8 +204,7 @@ rows)
   left=$((575 - ($(date +%s) - T0)))
   kernels_quick $((left > 20 ? left : 20))
   {
-    cat "$W/gpu.txt" "$W/times.txt"
-    echo "== compiled tests"; grep -E "passed|failed|FAILED|rror" "$W/gpu_tests.txt" | tail -n 8
+    summary_head
     echo "== expand sweep"; grep -E "T= *[0-9]+ d=" "$W/expand_sweep.txt" | cut -c1-230
     step_lines
     echo "== LoRA kernels, bgmv, T = 16 / 64: us (x floor) [vs bmm]"
@@ -203,11 +215,9 @@ rows_ab)
   # the BGMV expand's heuristic (tile body for small launches, row-streaming body for the rest): compiled tests
   # (kernel grid, the engine against PEFT, mixed-step graphs), the decode step of this tree and BASE, the kernel
   # benchmark, then the headline at n = 5 and 2000 in what time is left
-  PYTHONPATH=$ROOT TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -p no:cacheprovider \
+  compiled_tests 150 \
     tests/kernels/test_lora_kernels.py tests/kernels/test_engine_kernels.py tests/kernels/test_step_graphs.py \
-    -k "grid or rows or aligned or (llama-sdpa-True-bgmv) or (replay_equals_eager and bgmv) or mixed_steps" \
-    > "$W/gpu_tests.txt" 2>&1
-  stamp "compiled tests" $?
+    -k "grid or rows or aligned or (llama-sdpa-True-bgmv) or (replay_equals_eager and bgmv) or mixed_steps"
   decode_steps 140
   kernels_quick 40
   left=$((580 - ($(date +%s) - T0)))
@@ -215,10 +225,9 @@ rows_ab)
   stamp "headline n = 5, 2000" $?
   rm -rf "$W/work"
   {
-    cat "$W/gpu.txt" "$W/times.txt"
-    echo "== compiled tests"; grep -E "passed|failed|FAILED|rror" "$W/gpu_tests.txt" | tail -n 8
+    summary_head
     step_lines
-    echo "== headline"; grep -E "^\| engine|ratio" "$W/headline/summary.md" | head -20
+    headline_lines
     echo "== LoRA kernels, bgmv, T = 16 / 64: us (x floor) [vs bmm]"
     python3 perf/kernel_table.py "new=$W/kernels_new.jsonl" --tokens 16 64
   } > "$OUT/rows_ab.txt" 2>&1
@@ -229,16 +238,15 @@ step_kernels)
   rm -rf "$W/work"
   decode_steps 120 --adapters 0,64 --profile
   {
-    cat "$W/gpu.txt" "$W/times.txt"
-    echo "== headline"; grep -E "^\| engine|ratio" "$W/headline/summary.md" | head -20
+    summary_head
+    headline_lines
     step_lines "^--|^  +[0-9.]+ ms"
   } > "$OUT/step_kernels.txt" 2>&1
   ;;
 fuse)
-  PYTHONPATH=$ROOT TRITON_INTERPRET=0 timeout 170 python3 -m pytest -q -p no:cacheprovider \
+  compiled_tests 170 \
     tests/kernels/test_rope_kv.py tests/kernels/test_lora_kernels.py tests/kernels/test_engine_kernels.py \
-    tests/kernels/test_step_graphs.py -k "not sgmv and not hybrid" > "$W/gpu_tests.txt" 2>&1
-  stamp "compiled tests" $?
+    tests/kernels/test_step_graphs.py -k "not sgmv and not hybrid"
   PYTHONPATH=$ROOT timeout 190 python3 -m perf.bench_decode_step --rope-kv fused,torch --lora-side-stream on,off \
     --out "$W/step" > "$W/step.txt" 2>&1
   stamp "decode step: rope+kv fused / torch x side stream on / off" $?
@@ -250,19 +258,17 @@ fuse)
     --out "$W/shrink_sweep.jsonl" > "$W/shrink_sweep.txt" 2>&1
   stamp "shrink sweep" $?
   {
-    cat "$W/gpu.txt" "$W/times.txt"
-    echo "== compiled tests"; grep -E "passed|failed|FAILED|rror" "$W/gpu_tests.txt" | tail -n 8
+    summary_head
     echo "== decode step"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$W/step.txt" | cut -c1-200
     echo "== profiles"; grep -E "^--|^  +[0-9.]+ ms" "$W/step_profile.txt" | cut -c1-110
     echo "== shrink sweep"; grep -E "T=" "$W/shrink_sweep.txt" | cut -c1-200
   } > "$OUT/fuse.txt" 2>&1
   ;;
 fused)
-  PYTHONPATH=$ROOT TRITON_INTERPRET=0 timeout 170 python3 -m pytest -q -p no:cacheprovider \
+  compiled_tests 170 \
     tests/kernels/test_rope_kv.py tests/kernels/test_engine_kernels.py tests/kernels/test_step_graphs.py \
     -k "rope or (llama-sdpa-True-bgmv) or (qwen3-sdpa-True-bgmv) or (mistral-paged-True-bgmv) \
-    or (replay_equals_eager and bgmv) or mixed_steps" > "$W/gpu_tests.txt" 2>&1
-  stamp "compiled tests" $?
+    or (replay_equals_eager and bgmv) or mixed_steps"
   PYTHONPATH=$ROOT timeout 120 python3 -m perf.bench_decode_step --rope-kv fused,torch --out "$W/step" \
     > "$W/step.txt" 2>&1
   stamp "decode step: rope+kv fused / torch" $?
@@ -271,10 +277,9 @@ fused)
   stamp "headline" $?
   rm -rf "$W/work"
   {
-    cat "$W/gpu.txt" "$W/times.txt"
-    echo "== compiled tests"; grep -E "passed|failed|FAILED|rror" "$W/gpu_tests.txt" | tail -n 8
+    summary_head
     echo "== decode step"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$W/step.txt" | cut -c1-200
-    echo "== headline"; grep -E "^\| engine|ratio" "$W/headline/summary.md" | head -20
+    headline_lines
   } > "$OUT/fused.txt" 2>&1
   ;;
 headline)
@@ -296,10 +301,8 @@ headline)
 mixed)
   # mixed-step CUDA graphs (EngineConfig.mixed_step_graphs): their compiled tests (PEFT oracle), the headline with
   # them, then without them (eager prefill / mixed steps, the previous behaviour) at n = 5 and 2000 in one command
-  PYTHONPATH=$ROOT TRITON_INTERPRET=0 timeout 180 python3 -m pytest -q -p no:cacheprovider \
-    tests/kernels/test_step_graphs.py tests/kernels/test_engine_kernels.py -k "not sgmv and not hybrid" \
-    > "$W/gpu_tests.txt" 2>&1
-  stamp "compiled tests" $?
+  compiled_tests 180 \
+    tests/kernels/test_step_graphs.py tests/kernels/test_engine_kernels.py -k "not sgmv and not hybrid"
   headline headline 230 --adapters 5 100 1000 2000
   stamp "headline (mixed-step graphs)" $?
   left=$((575 - ($(date +%s) - T0)))
@@ -307,8 +310,7 @@ mixed)
   stamp "headline (eager mixed steps)" $?
   rm -rf "$W/work"
   {
-    cat "$W/gpu.txt" "$W/times.txt"
-    echo "== compiled tests"; grep -E "passed|failed|FAILED|rror" "$W/gpu_tests.txt" | tail -n 8
+    summary_head
     grep -E "captured|CUDA graphs" "$W/headline.txt" | head -3
     echo "== headline, mixed-step graphs"; grep -E "^\| engine|ratio" "$W/headline/summary.md" | head -20
     echo "== headline, eager mixed steps"; grep -E "^\| engine|ratio" "$W/headline_eager/summary.md" | head -20
@@ -329,7 +331,7 @@ final)
   {
     cat "$W/gpu.txt" "$W/times.txt"
     echo "== server"; grep -E "ready after|^\\|" "$W/server_latency.txt" | sort -u
-    echo "== headline"; grep -E "^\| engine|ratio" "$W/headline/summary.md" | head -20
+    headline_lines
     echo "== headline, ${LOAD_PROCESSES:-8} loader processes"; grep -E "^\| engine|ratio" "$W/headline_procs/summary.md"
   } > "$OUT/final.txt" 2>&1
   ;;
