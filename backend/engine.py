@@ -41,6 +41,7 @@ from backend.sampling import make_generator, sample_next
 from backend.scheduler import Scheduler
 from backend.sequence import Sequence
 from backend.sizing import adapter_pages, gpu_pool_pages, host_cache_bytes
+from backend.state_lock import LoopStateLock
 from backend.step_builder import StepBuilder
 from backend.step_graphs import MixedStepGraphs
 from backend.tensor_parallel import local_config
@@ -154,7 +155,7 @@ class Engine:
         self._gate_loaders = self.device.startswith("cuda")
         self._inbox: queue.SimpleQueue[Sequence] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._state_lock = threading.RLock()
+        self._state_lock = LoopStateLock()
         self._last_cancel_poll = 0.0
         self._stopping = threading.Event()
         self._counters = {"steps": 0, "requests": 0, "finished": 0, "errors": 0, "tokens_out": 0, "tokens_in": 0}
@@ -342,7 +343,7 @@ class Engine:
 
     def stats(self) -> dict:
         """Counters and pool state; safe from any thread (taken between two loop iterations)."""
-        with self._state_lock:
+        with self._state_lock.reading():
             return self._stats()
 
     def _stats(self) -> dict:
@@ -381,7 +382,7 @@ class Engine:
         if self.device.startswith("cuda") and torch.device(self.device).index is not None:
             torch.cuda.set_device(torch.device(self.device))  # the current device is per thread
         while not self._stopping.is_set():
-            with self._state_lock:  # stats() reads the pool and the queues between iterations, not during
+            with self._state_lock.iteration():  # stats() reads the pool and the queues between iterations
                 ran = self._iterate()
             if ran is None:  # nothing to do
                 self._wake.wait(0.05)

@@ -321,17 +321,16 @@ def test_stats_read_from_another_thread_while_the_engine_churns_adapters(base, t
     engine = Engine(EngineConfig(model_dir=str(base), adapters=catalogue, max_lora_rank=8, max_loras=3,
                                  max_cpu_loras=6, num_kv_pages=40, page_size=16, max_num_seqs=8))
     failures: list[BaseException] = []
-    reads = 0
+    churn_states_seen: set[tuple[int, int]] = set()
     stop = threading.Event()
 
     def reader() -> None:
-        nonlocal reads
         while not stop.is_set():
             try:
                 stats = engine.stats()
                 assert stats["pool_pages_free"] + stats["pool_pages_kv"] + stats["pool_pages_adapters"] <= \
                     stats["pool_pages_total"], stats
-                reads += 1
+                churn_states_seen.add((stats["adapter_uploads"], stats["adapter_evictions"]))
             except BaseException as e:  # noqa: BLE001 - reported by the test
                 failures.append(e)
                 return
@@ -345,7 +344,12 @@ def test_stats_read_from_another_thread_while_the_engine_churns_adapters(base, t
         thread.join()
         engine.shutdown()
     assert not failures, repr(failures[0])
-    assert reads > 100 and all(r.error is None for r in results)
+    assert all(r.error is None for r in results)
+    # The reads interleaved with the churn (how many fit in depends on the machine's speed, so the test counts
+    # the distinct upload / eviction states the reader saw between steps, not its reads).
+    final = engine.stats()
+    assert final["adapter_evictions"] >= 10, final
+    assert len(churn_states_seen) >= 10, sorted(churn_states_seen)
 
 
 @pytest.mark.parametrize("shape", ["tiny", "mixtral"])
