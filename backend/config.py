@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 # shrink (its K-split programs read a token's A rows in parallel) and the SGMV expand (a 16-row tile reads each
 # adapter's B rows once).
 DECODE_FORMS = ("bgmv", "sgmv", "hybrid")
+BASE_GEMMS = ("torch", "triton")  # EngineConfig.base_gemm
 # set to 1: the segmented forms may run on CUDA (check_decode_form)
 EXPERIMENTAL_DECODE_FORMS = "MANYLORA_EXPERIMENTAL_DECODE_FORMS"
 
@@ -40,6 +41,9 @@ class EngineConfig:
         fuse_silu_mul: on the kernel path, the MLP's silu(gate) * up as one Triton kernel (off: torch ops).
         fuse_rope_kv: on the kernel path, each layer's q/k norm (Qwen3), rotary embedding and KV-cache write as one
             Triton kernel (off: torch ops).
+        base_gemm: the base layers' GEMMs of steps of at most 128 tokens on the kernel path: "torch" (F.linear:
+            cuBLAS) or "triton" (``kernels/skinny_gemm.py``, split-K; not yet measured against cuBLAS on the
+            H200, so opt-in). Larger steps always take torch.
         prefill_attention: "sdpa" (each prefill chunk through torch's fused attention over its
             gathered cache) or "paged" (prefill tokens join the decode rows in the paged-attention
             kernel: one launch per layer for the whole step, no gathers; keys are re-read per query
@@ -109,6 +113,7 @@ class EngineConfig:
     fuse_add_norm: bool = True
     fuse_silu_mul: bool = True
     fuse_rope_kv: bool = True
+    base_gemm: str = "torch"
     cuda_graphs: bool = True
     mixed_step_graphs: bool = True
     warmup: bool = True
@@ -136,6 +141,8 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.prefill_attention must be 'sdpa' or 'paged', got {self.prefill_attention!r}")
         check_decode_form_name(self.decode_lora_kernels, "EngineConfig.decode_lora_kernels")
+        if self.base_gemm not in BASE_GEMMS:
+            raise ValueError(f"EngineConfig.base_gemm must be one of {BASE_GEMMS}, got {self.base_gemm!r}")
         if not 0.0 <= self.host_cache_fraction <= 1.0:
             raise ValueError(f"EngineConfig.host_cache_fraction must be in [0, 1], got {self.host_cache_fraction}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:

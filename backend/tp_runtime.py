@@ -74,6 +74,7 @@ class TensorParallelSetup:
     fuse_add_norm: bool
     fuse_silu_mul: bool
     fuse_rope_kv: bool
+    base_gemm: str  # backend.config.BASE_GEMMS
     rehash_adapters: bool
     adapter_load_workers: int
     adapter_load_processes: int
@@ -109,6 +110,7 @@ def load_rank_model(setup: TensorParallelSetup, cfg: ModelConfig, rank: int) -> 
     model.fuse_add_norm = setup.fuse_add_norm
     model.fuse_silu_mul = setup.fuse_silu_mul
     model.fuse_rope_kv = setup.fuse_rope_kv
+    model.base_gemm = setup.base_gemm
     model.comm = Comm(rank=rank, size=setup.tp_size)
     return model
 

@@ -273,3 +273,14 @@ def ref_rope_kv_write(qk: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
     kv[pages, layer, 0, offsets] = r[:, num_q_heads:]
     kv[pages, layer, 1, offsets] = v
     return r[:, :num_q_heads], kv
+
+
+__all__ += ["ref_skinny_linear"]
+
+
+def ref_skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference of ``kernels.skinny_gemm.skinny_linear``: x @ weight^T + bias in fp32, rounded once to x's dtype."""
+    out = x.float() @ weight.float().T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)

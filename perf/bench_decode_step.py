@@ -27,7 +27,7 @@ from backend import lora_batch
 from backend.adapter import AdapterSpec
 from backend.adapter_packing import PackedAdapter, _layout
 from backend.adapter_pool import AdapterPool
-from backend.config import check_decode_form_name
+from backend.config import BASE_GEMMS, check_decode_form_name
 from backend.cuda_graphs import DecodeGraphs, DecodeInputs
 from backend.kv_cache import PagedKVCache
 from backend.model_config import PROJECTIONS, ModelConfig
@@ -171,6 +171,9 @@ def main() -> None:
     ap.add_argument("--lora-side-stream", default="on",
                     help="captured steps run each LoRA shrink on a side stream beside its base GEMM (on) or in line "
                          "(off); comma-separated: each in turn")
+    ap.add_argument("--base-gemm", default="torch",
+                    help="the base layers' GEMMs and the LM head (EngineConfig.base_gemm): torch (cuBLAS) or triton "
+                         "(kernels/skinny_gemm.py, split-K); comma-separated: each in turn")
     ap.add_argument("--profile", action="store_true",
                     help="also print the step's kernels by GPU time (torch.profiler over 5 replays per adapter count)")
     ap.add_argument("--out", default=os.environ.get("OUT", "perf/results"))
@@ -210,6 +213,9 @@ def main() -> None:
     side_streams = args.lora_side_stream.split(",")
     if not set(side_streams) <= {"on", "off"}:
         ap.error(f"--lora-side-stream takes on and/or off, got {args.lora_side_stream!r}")
+    base_gemms = args.base_gemm.split(",")
+    if not set(base_gemms) <= set(BASE_GEMMS):
+        ap.error(f"--base-gemm takes {' and/or '.join(BASE_GEMMS)}, got {args.base_gemm!r}")
     page = args.page_size
     positions = torch.full((args.batch,), args.context, dtype=torch.int64)
     slots = torch.tensor([t[args.context // page] * page + args.context % page for t in tables])
@@ -221,18 +227,20 @@ def main() -> None:
     rows = []
     capture_s = {}
     graphs = None
-    variants = [(form, rope_kv, side) for form in forms for rope_kv in rope_kvs for side in side_streams]
-    for form, rope_kv, side in variants:
+    variants = [(form, rope_kv, side, gemm) for form in forms for rope_kv in rope_kvs for side in side_streams
+                for gemm in base_gemms]
+    for form, rope_kv, side, gemm in variants:
         if graphs is not None:  # the previous variant's graphs: their memory goes back before the next capture
             graphs = None
             torch.cuda.empty_cache()
         model.fuse_rope_kv = rope_kv == "fused"
         lora_batch.SIDE_STREAM = side == "on"
+        model.base_gemm = gemm
         graphs = DecodeGraphs(model, kv, scratch, args.batch, blocks, max(max(counts), 1), args.rank,
                               decode_form=form)
-        label = f"{form}, rope+kv {rope_kv}, side stream {side}"
-        print(f"LoRA kernels of the decode step: {form}; RoPE + KV write: {rope_kv}; LoRA side stream: {side}",
-              flush=True)
+        label = f"{form}, rope+kv {rope_kv}, side stream {side}, base gemm {gemm}"
+        print(f"LoRA kernels of the decode step: {form}; RoPE + KV write: {rope_kv}; LoRA side stream: {side}; "
+              f"base GEMMs: {gemm}", flush=True)
         graphs.buckets = [args.batch]
         t0 = time.perf_counter()
         graphs._reset_padding(args.batch)
@@ -262,6 +270,7 @@ def main() -> None:
                     "lora_kernels": form,
                     "rope_kv": rope_kv,
                     "side_stream": side,
+                    "base_gemm": gemm,
                     "adapters": n,
                     "step_ms": round(step_ms, 3),
                     "floor_ms": round(floor_ms, 3),
@@ -294,9 +303,9 @@ def main() -> None:
     (Path(args.out) / "decode_step.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
     print(f"{'adapters':>8} {'step ms':>8} {'floor ms':>9} {'x floor':>8} {'tok/s':>9} {'vs base':>8}  LoRA kernels, "
-          "RoPE + KV write, LoRA side stream")
+          "RoPE + KV write, LoRA side stream, base GEMMs")
     def variant(r: dict) -> tuple[str, ...]:
-        return r["lora_kernels"], r["rope_kv"], r["side_stream"]
+        return r["lora_kernels"], r["rope_kv"], r["side_stream"], r["base_gemm"]
 
     base_ms = {variant(r): r["step_ms"] for r in rows if r["adapters"] == 0}
     for r in rows:

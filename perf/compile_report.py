@@ -13,8 +13,8 @@ and the widths of its global loads and stores in the SASS (``LDG.E.128`` is a 16
 memory-level parallelism that a bandwidth-bound kernel cannot spare.
 
 ``main`` compiles the decode (BGMV) and prefill (SGMV) LoRA launches of the Llama-3-8B projections,
-paged decode attention and the fused norm / activation kernels at the benchmark's shapes and prints
-a table; tests use ``compile_only`` to assert properties of the compiled code.
+paged decode attention, the fused norm / activation kernels and the split-K base GEMM at the benchmark's shapes
+and prints a table; tests use ``compile_only`` to assert properties of the compiled code.
 """
 
 from __future__ import annotations
@@ -285,6 +285,18 @@ def other_launches(batch: int = 64, seq: int = 1024) -> None:
                   pool.view(-1, num_layers, 2, page, nkv, d), 5, torch.arange(batch, dtype=torch.int64), 32)
 
 
+def gemm_launches(rows: int = 64) -> None:
+    """The split-K base GEMM (``skinny_linear``, base_gemm="triton") of every Llama-3-8B projection group and the LM
+    head at ``rows`` tokens."""
+    import torch
+
+    from kernels.skinny_gemm import skinny_linear
+
+    for out_features, in_features in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)):
+        skinny_linear(torch.empty(rows, in_features, dtype=torch.bfloat16),
+                      torch.empty(out_features, in_features, dtype=torch.bfloat16))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="JSON lines of the reports")
@@ -306,6 +318,7 @@ def main() -> None:
          lambda: lora_launches(args.prefill_tokens, args.distinct, args.rank, segmented=True)),
         ("MoE-LoRA decode pairs, Qwen3-30B-A3B shape, T=64 d=8 r=16", moe_pair_launches),
         ("decode attention / norm / silu*mul", other_launches),
+        (f"base GEMMs (split-K, base_gemm=triton) T={args.tokens}", lambda: gemm_launches(args.tokens)),
     ):  # fmt: skip
         with compile_only() as reports:
             launch()

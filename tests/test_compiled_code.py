@@ -32,6 +32,8 @@ with cr.compile_only() as reports:
     cr.lora_launches(1, 1, 16, segmented=False)   # one token: the BGMV expand's tile body
     cr.other_launches(batch=8, seq=256)
     cr.moe_pair_launches(tokens=8, distinct=3)
+    cr.gemm_launches(64)
+    cr.gemm_launches(5)   # a small eager step: 16-row tiles
 json.dump([asdict(r) for r in reports], sys.stdout)
 """
 
@@ -55,7 +57,7 @@ def test_every_kernel_that_streams_memory_was_compiled(compiled):
     assert names >= {
         "_lora_shrink_bgmv_kernel", "_lora_shrink_sgmv_kernel", "_lora_expand_bgmv_kernel",
         "_lora_expand_sgmv_kernel", "_paged_decode_attention_kernel", "_add_rms_norm_kernel", "_silu_mul_kernel",
-        "_rope_kv_write_kernel",
+        "_rope_kv_write_kernel", "_skinny_gemm_kernel",
         "_moe_lora_shrink_pairs_kernel", "_moe_lora_expand_pairs_kernel",
     }  # fmt: skip
 
@@ -96,3 +98,17 @@ def test_sass_memory_instructions_are_counted_by_width():
     assert async_loads == {128: 1}
     assert stores == {64: 1}
     assert atomics == 1
+
+
+
+def test_the_split_k_gemm_streams_its_weight_through_shared_memory(compiled):
+    """On sm_90 the skinny GEMM must pipeline its tiles with 16-byte asynchronous copies (LDGSTS, num_stages deep)
+    and, where it splits K, reduce the partials through one counter per tile (its atomic add and its reset); with
+    no split, no atomics at all. A plain load loop or a lost atomic would be a different kernel from the one
+    benchmarked."""
+    gemms = [r for r in compiled if r["name"] == "_skinny_gemm_kernel"]
+    assert {r["constexprs"]["BLOCK_M"] for r in gemms} >= {16, 64}
+    assert {r["constexprs"]["SPLIT_K"] > 1 for r in gemms} == {True, False}
+    for r in gemms:
+        assert int(r["async_loads"].get("128", 0)) > 0, (r["constexprs"], r["async_loads"])  # JSON: keys are str
+        assert r["atomics"] == (2 if r["constexprs"]["SPLIT_K"] > 1 else 0), (r["constexprs"], r["atomics"])

@@ -81,13 +81,15 @@ class LlamaModel:
     ``use_kernels`` (set by the engine on its kernel path) runs the residual add + RMSNorm as one
     Triton kernel unless ``fuse_add_norm`` is off, the MLP's silu(gate) * up as one unless ``fuse_silu_mul`` is
     off, and each layer's q/k norm, rotary embedding and KV-cache write as one unless ``fuse_rope_kv`` is off; the
-    decode attention kernel is chosen by the batch (``StepBatch.decode``).
+    decode attention kernel is chosen by the batch (``StepBatch.decode``). ``base_gemm`` "triton" takes the base
+    layers' GEMMs (and the LM head's) of steps of at most ``MAX_SKINNY_ROWS`` tokens to ``kernels/skinny_gemm.py``.
     """
 
     use_kernels: bool = False
     fuse_add_norm: bool = True
     fuse_silu_mul: bool = True
     fuse_rope_kv: bool = True
+    base_gemm: str = "torch"  # backend.config.BASE_GEMMS
     comm: Comm | None = None  # a tensor-parallel rank's collectives (backend/tp_runtime.py); None: one device
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], max_len: int, device: str,
@@ -170,7 +172,7 @@ class LlamaModel:
             else:
                 h = h + delta
         h = rms_norm(h.index_select(0, batch.logits_rows), self.final_norm, self.cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return self._linear(h, self.lm_head, None).float()
 
     def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None,
                   weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,15 +198,24 @@ class LlamaModel:
         """x @ weight^T (+ bias) with layer i's LoRA of ``modules`` added. On the kernel path the shrink is launched
         before the base GEMM (it needs only x: captured decode steps run it on a side stream beside the GEMM)."""
         if lora is None:
-            return F.linear(x, weight, bias)
+            return self._linear(x, weight, bias)
         if not lora.use_kernels:
-            out = F.linear(x, weight, bias)
+            out = self._linear(x, weight, bias)
             lora.apply(x, out, i, modules, widths)
             return out
         pending = lora.shrink(x, i, modules)
-        out = F.linear(x, weight, bias)
+        out = self._linear(x, weight, bias)
         lora.expand(pending, out, widths)
         return out
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ weight^T (+ bias): F.linear, or the split-K Triton GEMM for decode-sized steps (``base_gemm``)."""
+        if self.use_kernels and self.base_gemm == "triton":
+            from kernels.skinny_gemm import MAX_SKINNY_ROWS, skinny_linear
+
+            if x.shape[0] <= MAX_SKINNY_ROWS:
+                return skinny_linear(x, weight, bias)
+        return F.linear(x, weight, bias)
 
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of the fused gate/up output [T, 2I]: one Triton kernel on the kernel path."""

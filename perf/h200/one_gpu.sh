@@ -29,11 +29,14 @@
 #                                            # the BGMV shrink sweep                                       ~9 min
 #   bash perf/h200/one_gpu.sh fused $OUT     # the tree with the fused RoPE + KV write: its compiled tests and the
 #                                            # engine's, decode step with it and without, the headline    ~9 min
+#   bash perf/h200/one_gpu.sh gemm $OUT      # the split-K base GEMM (base_gemm=triton): compiled tests, each GEMM
+#                                            # against cuBLAS at 1-128 rows, the config sweep at 64 rows on q/k/v
+#                                            # and o, decode step torch / triton (one process)            ~9.5 min
 #   bash perf/h200/one_gpu.sh server $OUT    # tritonserver: TTFT at 50/90% of SATURATION, perf_analyzer at
 #                                            # concurrency 16 and request rates PA_RATES                    ~8 min
 # DECODE_LORA (bgmv|sgmv) and PREFILL (sdpa|paged) pick the engine's kernels in the headline part.
 set -u
-PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, headline, mixed, final, profile or server}
+PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, headline, mixed, final, profile or server}
 OUT=${2:-/tmp/h200}
 ROOT=$PWD
 BASE=${BASE:-$ROOT/.baseline_s9}
@@ -281,6 +284,26 @@ fused)
     echo "== decode step"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$W/step.txt" | cut -c1-200
     headline_lines
   } > "$OUT/fused.txt" 2>&1
+  ;;
+gemm)
+  compiled_tests 150 tests/kernels/test_skinny_gemm.py tests/kernels/test_engine_kernels.py \
+    -k "skinny or triton_base_gemm or (llama-sdpa-True-bgmv) or (replay_equals_eager and bgmv)"
+  PYTHONPATH=$ROOT timeout 100 python3 -m perf.bench_gemm --out "$W/gemm.jsonl" > "$W/gemm.txt" 2>&1
+  stamp "GEMMs: triton / cuBLAS" $?
+  PYTHONPATH=$ROOT timeout 150 python3 -m perf.bench_gemm --rows 64 --shapes qkv,o --sweep \
+    --out "$W/gemm_sweep.jsonl" > "$W/gemm_sweep.txt" 2>&1
+  stamp "GEMM sweep" $?
+  left=$((570 - ($(date +%s) - T0)))
+  PYTHONPATH=$ROOT timeout $((left > 30 ? left : 30)) python3 -m perf.bench_decode_step --base-gemm torch,triton \
+    --out "$W/step" > "$W/step.txt" 2>&1
+  stamp "decode step: base GEMMs torch / triton" $?
+  {
+    summary_head
+    echo "== GEMMs"; sed -n '/^shape /,/^$/p' "$W/gemm.txt"
+    echo "== GEMM sweep"; sed -n '/^shape /,/^$/p' "$W/gemm_sweep.txt"; grep -o '"best_config": {[^}]*}' \
+      "$W/gemm_sweep.txt"
+    echo "== decode step"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$W/step.txt" | cut -c1-200
+  } > "$OUT/gemm.txt" 2>&1
   ;;
 headline)
   headline headline 330 --adapters 5 100 1000 2000 --decode-lora-kernels "${DECODE_LORA:-bgmv}" \

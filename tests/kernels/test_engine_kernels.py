@@ -71,6 +71,42 @@ def test_kernel_path_matches_peft(tmp_path, device, family, prefill_attention, f
         engine.shutdown()
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_triton_base_gemm_matches_peft(tmp_path, device, family, monkeypatch):
+    """base_gemm "triton": the base layers' GEMMs and the LM head of steps up to 128 tokens through the split-K
+    kernel (Qwen2: with the q/k/v bias in its epilogue), prefill steps above that through F.linear; on CUDA the
+    decode steps are captured in graphs, so the kernel's workspace and counters live across replays."""
+    import kernels.skinny_gemm as skinny_gemm
+
+    rows_seen: list[int] = []
+    launch = skinny_gemm.skinny_linear
+
+    def counted(x, weight, bias=None, config=None):  # the kernel itself, its calls counted
+        rows_seen.append(x.shape[0])
+        return launch(x, weight, bias, config)
+
+    monkeypatch.setattr(skinny_gemm, "skinny_linear", counted)
+    base = make_base(tmp_path / "base", family, seed=35)
+    rng = random.Random(family + "gemm")
+    adapters = {f"a{i}": str(write_random_adapter(tmp_path / f"a{i}", base, rank=rank,
+                                                  targets=rng.sample(ALL, rng.randint(1, 7)), seed=50 + i))
+                for i, rank in enumerate([2, 8, 16])}
+    engine = Engine(EngineConfig(model_dir=str(base), adapters=adapters, device=device, dtype="float32",
+                                 kernels="triton", max_lora_rank=16, page_size=8, base_gemm="triton",
+                                 max_num_batched_tokens=256))
+    assert engine.model.base_gemm == "triton"
+    try:
+        names = [None, *adapters]
+        # one 140-token prompt: a prefill step over the 128 rows the kernel takes, which F.linear serves
+        cases = [([0] + [rng.randrange(2, 290) for _ in range(140 if i == 0 else rng.randint(1, 12))],
+                  names[i % len(names)]) for i in range(7)]
+        assert_generations_match_peft(engine, base, adapters, cases, 6, "g")
+        assert_pool_drained(engine)
+    finally:
+        engine.shutdown()
+    assert rows_seen and max(rows_seen) <= skinny_gemm.MAX_SKINNY_ROWS, rows_seen
+
+
 @pytest.mark.parametrize("decode_lora", ["bgmv", "sgmv", "hybrid"])
 def test_cuda_graph_replay_equals_eager(tmp_path, device, decode_lora):
     """Decode steps replayed from CUDA graphs give exactly the eager kernel path's tokens (GPU only); with "sgmv" and
