@@ -161,6 +161,28 @@ class EngineConfig:
         return cls(**kwargs)  # type: ignore[arg-type]
 
 
+@dataclass(frozen=True)
+class ModelKernelOptions:
+    """How the model's forward runs: EngineConfig's kernel-path knobs with ``kernels`` resolved for the device. The
+    engine applies them to its model and hands them to tensor-parallel ranks, which apply them to theirs."""
+
+    use_kernels: bool
+    fuse_add_norm: bool = True
+    fuse_silu_mul: bool = True
+    fuse_rope_kv: bool = True
+    base_gemm: str = "torch"
+
+    @classmethod
+    def of(cls, config: EngineConfig, use_kernels: bool) -> ModelKernelOptions:
+        return cls(use_kernels=use_kernels, **{f.name: getattr(config, f.name) for f in fields(cls)
+                                               if f.name != "use_kernels"})
+
+    def apply_to(self, model: object) -> None:
+        """Set the model's attributes of the same names (backend/models/llama.py LlamaModel)."""
+        for f in fields(self):
+            setattr(model, f.name, getattr(self, f.name))
+
+
 def check_decode_form_name(name: str, what: str = "decode_lora_kernels") -> None:
     """Raise a ValueError naming ``what`` unless ``name`` is one of DECODE_FORMS."""
     if name not in DECODE_FORMS:

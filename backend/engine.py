@@ -22,7 +22,7 @@ from backend.adapter import AdapterSpec
 from backend.adapter_manager import AdapterManager
 from backend.adapter_process_loader import SHM_DIR, choose_directory
 from backend.catalogue import AdapterCatalogue
-from backend.config import EngineConfig, check_decode_form
+from backend.config import EngineConfig, ModelKernelOptions, check_decode_form
 from backend.cuda_graphs import DecodeGraphs
 from backend.detokenize import IncrementalDecoder, load_tokenizer
 from backend.devices import default_load_processes, resolve_device, resolve_kernels
@@ -115,11 +115,7 @@ class Engine:
         else:
             model_class = MoeModel if cfg.is_moe else LlamaModel
             self.model = model_class.load(config.model_dir, cfg, self.max_len, self.device, self.dtype)
-            self.model.use_kernels = self.use_kernels
-            self.model.fuse_add_norm = config.fuse_add_norm
-            self.model.fuse_silu_mul = config.fuse_silu_mul
-            self.model.fuse_rope_kv = config.fuse_rope_kv
-            self.model.base_gemm = config.base_gemm
+            ModelKernelOptions.of(config, self.use_kernels).apply_to(self.model)
         log.info("loaded %s (%.1f MB%s) on %s as %s in %.1fs", cfg.architecture, self.model.weight_bytes() / 1e6,
                  " on rank 0" if self.tp else "", self.device, self.dtype, time.perf_counter() - t0)
         self.pool = UnifiedPool(self.pool_config, self._num_pages(), config.page_size, self.dtype, self.device)
@@ -174,8 +170,7 @@ class Engine:
         setup = TensorParallelSetup(
             model_dir=c.model_dir, tp_size=c.tensor_parallel_size, device=self.device, dtype=dtype_name,
             max_len=self.max_len, page_size=c.page_size, max_lora_rank=c.max_lora_rank,
-            max_cpu_loras=c.max_cpu_loras, use_kernels=self.use_kernels, fuse_add_norm=c.fuse_add_norm,
-            fuse_silu_mul=c.fuse_silu_mul, fuse_rope_kv=c.fuse_rope_kv, base_gemm=c.base_gemm,
+            max_cpu_loras=c.max_cpu_loras, kernels=ModelKernelOptions.of(c, self.use_kernels),
             rehash_adapters=c.rehash_adapters, adapter_load_workers=c.adapter_load_workers,
             adapter_load_processes=self.load_processes, host_cache_bytes=self.host_cache_bytes,
             init_file=new_init_file())

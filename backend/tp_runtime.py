@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from backend.adapter import AdapterSpec
+from backend.config import ModelKernelOptions
 from backend.host_cache import HostAdapterCache
 from backend.kv_cache import PagedKVCache
 from backend.loader import DTYPES
@@ -70,11 +71,7 @@ class TensorParallelSetup:
     page_size: int
     max_lora_rank: int
     max_cpu_loras: int | None
-    use_kernels: bool
-    fuse_add_norm: bool
-    fuse_silu_mul: bool
-    fuse_rope_kv: bool
-    base_gemm: str  # backend.config.BASE_GEMMS
+    kernels: ModelKernelOptions
     rehash_adapters: bool
     adapter_load_workers: int
     adapter_load_processes: int
@@ -106,11 +103,7 @@ def load_rank_model(setup: TensorParallelSetup, cfg: ModelConfig, rank: int) -> 
     model = LlamaModel.load(setup.model_dir, local_config(cfg, setup.tp_size), setup.max_len,
                             rank_device(setup.device, rank), DTYPES[setup.dtype],
                             shard=lambda name, t: shard_tensor(name, t, cfg, rank, setup.tp_size))
-    model.use_kernels = setup.use_kernels
-    model.fuse_add_norm = setup.fuse_add_norm
-    model.fuse_silu_mul = setup.fuse_silu_mul
-    model.fuse_rope_kv = setup.fuse_rope_kv
-    model.base_gemm = setup.base_gemm
+    setup.kernels.apply_to(model)
     model.comm = Comm(rank=rank, size=setup.tp_size)
     return model
 

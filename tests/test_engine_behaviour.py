@@ -213,3 +213,22 @@ def test_base_gemm_knob_is_checked_and_read_from_config_strings():
         EngineConfig(model_dir=".", base_gemm="cublas")
     assert EngineConfig.from_strings({"model_dir": ".", "base_gemm": "triton"}).base_gemm == "triton"
     assert EngineConfig(model_dir=".").base_gemm == "torch"
+
+
+def test_model_kernel_options_carry_every_knob_the_model_reads():
+    """The options the engine applies to its model (and hands to tensor-parallel ranks) are EngineConfig's knobs of
+    the same names, with the kernels resolved: a knob added to one but not the other would be dropped silently."""
+    import dataclasses
+
+    from backend.config import ModelKernelOptions
+    from backend.models.llama import LlamaModel
+
+    config = EngineConfig(model_dir=".", fuse_add_norm=False, fuse_rope_kv=False, base_gemm="triton")
+    options = ModelKernelOptions.of(config, use_kernels=True)
+    assert options == ModelKernelOptions(use_kernels=True, fuse_add_norm=False, fuse_silu_mul=True,
+                                         fuse_rope_kv=False, base_gemm="triton")
+    model = LlamaModel.__new__(LlamaModel)
+    options.apply_to(model)
+    for f in dataclasses.fields(options):
+        assert getattr(model, f.name) == getattr(options, f.name)
+        assert hasattr(LlamaModel, f.name), f"LlamaModel has no class default for {f.name}"
