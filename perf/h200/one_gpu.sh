@@ -32,11 +32,14 @@
 #   bash perf/h200/one_gpu.sh gemm $OUT      # the split-K base GEMM (base_gemm=triton): compiled tests, each GEMM
 #                                            # against cuBLAS at 1-128 rows, the config sweep at 64 rows on q/k/v
 #                                            # and o, decode step torch / triton (one process)            ~9.5 min
+#   bash perf/h200/one_gpu.sh sanitize $OUT  # compute-sanitizer memcheck over the compiled tests of the segmented
+#                                            # decode forms (kernels with device-built tables, no caching
+#                                            # allocator; the engine's graph replay) and of the split-K GEMM ~9 min
 #   bash perf/h200/one_gpu.sh server $OUT    # tritonserver: TTFT at 50/90% of SATURATION, perf_analyzer at
 #                                            # concurrency 16 and request rates PA_RATES                    ~8 min
 # DECODE_LORA (bgmv|sgmv) and PREFILL (sdpa|paged) pick the engine's kernels in the headline part.
 set -u
-PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, headline, mixed, final, profile or server}
+PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, sanitize, headline, mixed, final, profile or server}
 OUT=${2:-/tmp/h200}
 ROOT=$PWD
 BASE=${BASE:-$ROOT/.baseline_s9}
@@ -304,6 +307,30 @@ gemm)
       "$W/gemm_sweep.txt"
     echo "== decode step"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$W/step.txt" | cut -c1-200
   } > "$OUT/gemm.txt" 2>&1
+  ;;
+sanitize)
+  # the segmented decode forms' illegal memory access (their compiled engine tests, 2026-11-30): where it is.
+  # Without the caching allocator every tensor is its own allocation, so memcheck sees an access past any of them
+  # (CUDA graphs need the allocator: the engine's graph test runs with it)
+  memcheck() {
+    local name=$1 limit=$2
+    shift 2
+    MANYLORA_EXPERIMENTAL_DECODE_FORMS=1 PYTHONPATH=$ROOT TRITON_INTERPRET=0 timeout "$limit" compute-sanitizer \
+      --tool memcheck --print-limit 8 --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider "$@" \
+      > "$W/$name.txt" 2>&1
+    stamp "memcheck $name" $?
+  }
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 memcheck lora_kernels 170 tests/kernels/test_lora_kernels.py \
+    -k "grid and (64-130 or 17-72)"
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 memcheck skinny_gemm 90 tests/kernels/test_skinny_gemm.py
+  memcheck engine_graphs 250 tests/kernels/test_engine_kernels.py -k "replay_equals_eager and (sgmv or hybrid)"
+  {
+    summary_head
+    for name in lora_kernels skinny_gemm engine_graphs; do
+      echo "== $name"; grep -E "ERROR SUMMARY|Invalid|Address 0x|is out of bounds|by thread|at 0x|passed|failed" \
+        "$W/$name.txt" | head -24
+    done
+  } > "$OUT/sanitize.txt" 2>&1
   ;;
 headline)
   headline headline 330 --adapters 5 100 1000 2000 --decode-lora-kernels "${DECODE_LORA:-bgmv}" \
