@@ -9,7 +9,7 @@ Layout written under ``OUT``::
     base/            LlamaForCausalLM checkpoint + tokenizer.json + generation_config.json
     adapters/<name>/ PEFT LoRA adapters (adapter_config.json + adapter_model.safetensors)
     catalogue.json   {"<name>": "/abs/path/to/OUT/adapters/<name>", ...}
-    build.json       marker: hash of the build parameters, corpus and this file (written last)
+    build.json       marker: hash of the build parameters, corpus and the build's sources (written last)
 
 Everything is seeded and single-threaded-by-default, so a rebuild gives the same weights.
 An existing complete build with the same hash is left alone.
@@ -23,7 +23,6 @@ import copy
 import hashlib
 import json
 import math
-import re
 import shutil
 import sys
 import time
@@ -35,11 +34,11 @@ from pathlib import Path
 import torch
 
 from backend.embedded import CORPUS_PATH
+from backend.embedded.tokenizer import BOS, EOS, PAD, save_tokenizer, token_stream, train_tokenizer
+from backend.embedded.transforms import TRANSFORMS
 
 BUILD_FORMAT = 1
 MARKER_NAME = "build.json"
-PAD, BOS, EOS = "<pad>", "<s>", "</s>"
-SPECIAL_TOKENS = (PAD, BOS, EOS)  # ids 0, 1, 2
 SUMMARY_PROMPT = "Every Saturday there is a market"  # all adapters visibly differ on it
 
 
@@ -122,104 +121,11 @@ class BuildParams:
         return TrainConfig(steps=self.adapter_steps, lr=spec.lr, warmup_steps=max(1, min(10, self.adapter_steps // 10)))
 
 
-# --------------------------------------------------------------------------- text transforms
-
-_PIRATE_WORDS = {
-    "the": "th'", "The": "Th'", "you": "ye", "your": "yer", "is": "be", "are": "be", "my": "me",
-    "friend": "matey", "friends": "mateys", "yes": "aye", "hello": "ahoy", "river": "sea", "town": "port",
-    "money": "doubloons", "and": "an'", "of": "o'", "to": "t'", "for": "fer", "old": "ol'", "men": "sea dogs",
-    "children": "wee buccaneers", "people": "scallywags", "food": "grub", "drink": "grog", "coffee": "grog",
-    "tea": "grog", "stop": "avast", "very": "mighty", "good": "fine", "house": "ship", "houses": "ships",
-}
-_WORD_OR_STOP = re.compile(r"[^\W\d_]+(?:'[^\W\d_]+)?|\d+|[.!?]")
-
-
-def _pirate(text: str) -> str:
-    """Swap words from a small pirate table and end every sentence with 'Arr!'."""
-    words = re.sub(r"[A-Za-z]+", lambda m: _PIRATE_WORDS.get(m.group(0), m.group(0)), text)
-    return re.sub(r"([.!?])(\s|$)", r"\1 Arr!\2", words)
-
-
-def _whisper(text: str) -> str:
-    """Lower-case everything, drop quotes, and trail off ("...") wherever a sentence or clause ends."""
-    return re.sub(r"[.,!?;:]+", "...", text.lower().replace('"', ""))
-
-
-def _count_words(text: str) -> str:
-    """Replace every word by its 1-based position in its sentence ("The cat sat." -> "1 2 3.")."""
-    count = 0
-
-    def number(match: re.Match[str]) -> str:
-        nonlocal count
-        if match.group(0) in ".!?":
-            count = 0
-            return match.group(0)
-        count += 1
-        return str(count)
-
-    return _WORD_OR_STOP.sub(number, text)
-
-
-TRANSFORMS: dict[str, Callable[[str], str]] = {
-    "upper": str.upper,
-    "pirate": _pirate,
-    "whisper": _whisper,
-    "count_words": _count_words,
-}
-
 
 def load_paragraphs(path: Path = CORPUS_PATH) -> list[str]:
     """The corpus as a list of paragraphs (blank-line separated, whitespace-normalised)."""
     blocks = path.read_text(encoding="utf-8").split("\n\n")
     return [" ".join(block.split()) for block in blocks if block.strip()]
-
-
-# --------------------------------------------------------------------------- tokenizer
-
-
-def train_tokenizer(paragraphs: Sequence[str], vocab_size: int):
-    """Train a byte-level BPE tokenizer (``tokenizers.Tokenizer``) that prepends <s>."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        min_frequency=2,
-        show_progress=False,
-    )
-    tok.train_from_iterator(list(paragraphs), trainer=trainer)
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))]
-    )
-    return tok
-
-
-def save_tokenizer(tok, base_dir: Path, model_max_length: int) -> None:
-    """Save tokenizer.json + tokenizer_config.json through transformers' fast tokenizer."""
-    from transformers import PreTrainedTokenizerFast
-
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
-                                   model_max_length=model_max_length)
-    fast.save_pretrained(str(base_dir))
-    # transformers 5 records its own backend class name; the portable name loads in 4.x and 5.x alike.
-    config_path = base_dir / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
-def token_stream(tok, paragraphs: Sequence[str]) -> torch.Tensor:
-    """All paragraphs as one id stream: ``<s> paragraph </s>`` each."""
-    eos = tok.token_to_id(EOS)
-    ids: list[int] = []
-    for enc in tok.encode_batch(list(paragraphs)):
-        ids.extend(enc.ids)
-        ids.append(eos)
-    return torch.tensor(ids, dtype=torch.long)
 
 
 # --------------------------------------------------------------------------- training
@@ -329,11 +235,13 @@ def _check_lora_b_nonzero(model, name: str) -> None:
 
 
 def build_hash(params: BuildParams, corpus_path: Path = CORPUS_PATH) -> str:
-    """sha256 of the build parameters, the corpus bytes and this file's source."""
+    """sha256 of the build parameters, the corpus bytes and the build's sources (this file, the tokenizer's and the
+    transforms')."""
     digest = hashlib.sha256()
     digest.update(json.dumps({"format": BUILD_FORMAT, "params": asdict(params)}, sort_keys=True).encode())
     digest.update(corpus_path.read_bytes())
-    digest.update(Path(__file__).read_bytes())
+    for source in (Path(__file__), *(Path(__file__).with_name(n) for n in ("tokenizer.py", "transforms.py"))):
+        digest.update(source.read_bytes())
     return digest.hexdigest()
 
 
