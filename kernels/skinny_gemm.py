@@ -7,10 +7,11 @@ the K axis is split too: SPLIT_K programs per column block each reduce a contigu
 partial sum to a workspace, and the last of them to finish (an atomic counter per output tile) adds the partials
 in split order, adds the bias, rounds to the output dtype and stores, then resets the counter for the next launch.
 One launch, no memset, deterministic (the sum's order does not depend on which program finished last), and
-CUDA-graph safe (the workspace and counters are allocated once per shape, outside any capture that warm-up preceded).
+CUDA-graph safe (the workspace and counters are made once per row bucket and shape, by the eager forwards that
+precede a capture; a capture that would have to make one refuses instead).
 
-Opt-in (``EngineConfig.base_gemm = "triton"``) until measured against cuBLAS on the H200:
-``perf/bench_kernels.py --gemm`` times both, ``perf/bench_decode_step.py --base-gemm cublas,triton`` the step.
+Opt-in (``EngineConfig.base_gemm = "triton"``) until measured against cuBLAS on the H200: ``perf/bench_gemm.py``
+times both per GEMM, ``perf/bench_decode_step.py --base-gemm torch,triton`` the whole step.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def _gemm_config_cached(num_rows: int, out_features: int, in_features: int) -> t
 def gemm_config(num_rows: int, out_features: int, in_features: int) -> dict[str, int]:
     """The launcher's block sizes, K split, warps and pipeline stages for a [num_rows, in] x [out, in]^T GEMM: a
     plain heuristic (tiles of BLOCK_M rows covering the batch, about two programs per SM through the K split), not
-    yet tuned on the H200 (``perf/bench_kernels.py --gemm --sweep`` times the alternatives). A fresh dict."""
+    yet tuned on the H200 (``perf/bench_gemm.py --sweep`` times the alternatives). A fresh dict."""
     return dict(_gemm_config_cached(num_rows, out_features, in_features))
 
 
