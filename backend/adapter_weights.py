@@ -15,14 +15,8 @@ from pathlib import Path
 
 import torch
 
-from backend.adapter import (
-    EXPERT_ENTRY_PREFIX,
-    TORCH_DTYPE_NAMES,
-    AdapterSpec,
-    LoraWeights,
-    file_stamp,
-    module_entries,
-)
+from backend.adapter import AdapterSpec, LoraWeights, file_stamp
+from backend.adapter_layout import EXPERT_ENTRY_PREFIX, TORCH_DTYPE_NAMES, module_entries
 from backend.errors import AdapterError
 from backend.model_config import ModelConfig
 from backend.safetensors_view import data_section, parse_safetensors
