@@ -321,7 +321,7 @@ sanitize)
     stamp "memcheck $name" $?
   }
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 memcheck lora_kernels 170 tests/kernels/test_lora_kernels.py \
-    -k "grid and (64-130 or 17-72)"
+    -k "(grid and (64-130 or 17-72)) or cuda_graph_sizes"
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 memcheck skinny_gemm 90 tests/kernels/test_skinny_gemm.py
   memcheck engine_graphs 250 tests/kernels/test_engine_kernels.py -k "replay_equals_eager and (sgmv or hybrid)"
   {
