@@ -290,9 +290,12 @@ def gemm_launches(rows: int = 64) -> None:
     head at ``rows`` tokens."""
     import torch
 
+    from backend.model_config import ModelConfig
     from kernels.skinny_gemm import skinny_linear
+    from perf.bench_gemm import gemm_shapes
+    from perf.shapes import SHAPES
 
-    for out_features, in_features in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)):
+    for out_features, in_features in gemm_shapes(ModelConfig.from_dict(SHAPES["llama3-8b"])).values():
         skinny_linear(torch.empty(rows, in_features, dtype=torch.bfloat16),
                       torch.empty(out_features, in_features, dtype=torch.bfloat16))
 
