@@ -42,8 +42,8 @@ class EngineConfig:
         fuse_rope_kv: on the kernel path, each layer's q/k norm (Qwen3), rotary embedding and KV-cache write as one
             Triton kernel (off: torch ops).
         base_gemm: the base layers' GEMMs of steps of at most 128 tokens on the kernel path: "torch" (F.linear:
-            cuBLAS) or "triton" (``kernels/skinny_gemm.py``, split-K; not yet measured against cuBLAS on the
-            H200, so opt-in). Larger steps always take torch.
+            cuBLAS) or "triton" (``kernels/skinny_gemm.py``; 0.95-0.97x of cuBLAS at best on the H200, so
+            opt-in). Larger steps always take torch.
         prefill_attention: "sdpa" (each prefill chunk through torch's fused attention over its
             gathered cache) or "paged" (prefill tokens join the decode rows in the paged-attention
             kernel: one launch per layer for the whole step, no gathers; keys are re-read per query

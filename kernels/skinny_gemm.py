@@ -10,8 +10,10 @@ One launch, no memset, deterministic (the sum's order does not depend on which p
 CUDA-graph safe (the workspace and counters are made once per row bucket and shape, by the eager forwards that
 precede a capture; a capture that would have to make one refuses instead).
 
-Opt-in (``EngineConfig.base_gemm = "triton"``) until measured against cuBLAS on the H200: ``perf/bench_gemm.py``
-times both per GEMM, ``perf/bench_decode_step.py --base-gemm torch,triton`` the whole step.
+Opt-in (``EngineConfig.base_gemm = "triton"``): on the H200 it is slower than cuBLAS (perf/results/2026-12-01-h200/
+18_gemm: its best configs 0.95-0.97x at 64 rows; with a K split whose partials are 25% of the weight's bytes,
+0.5-0.67x). ``perf/bench_gemm.py`` times both per GEMM, ``perf/bench_decode_step.py --base-gemm torch,triton`` the
+whole step.
 """
 
 from __future__ import annotations
@@ -28,8 +30,12 @@ from kernels.relaunch import relauncher
 
 __all__ = ["MAX_SKINNY_ROWS", "gemm_config", "skinny_linear"]
 
-# Rows above which the caller should keep cuBLAS: one BLOCK_M tile covers the batch up to here
+# Rows above which the caller should keep cuBLAS
 MAX_SKINNY_ROWS = 128
+# Rows of one tile: more rows take several tiles, which read each weight block from HBM once and from L2 after (a
+# single 128-row tile of 32 columns re-read the batch from L2 4x the weight's bytes and ran at 0.44-0.53x of cuBLAS
+# on the H200, perf/results/2026-12-01-h200/18_gemm; the 64-row tiles came within 3-5% of it)
+MAX_TILE_ROWS = 64
 
 
 @triton.jit(do_not_specialize=["M"])  # the batch's rows change from step to step; serving compiles no new variants
@@ -98,24 +104,56 @@ def _skinny_gemm_kernel(
     tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
 
 
+# Shared memory the pipeline's stages may take (the H100 / H200 allow 227 KB a program; the epilogue's layout
+# conversion takes some of the rest). Compiled for sm_90, the 16-bit (wgmma) kernel keeps num_stages
+# [BLOCK_M, BLOCK_K] + [BLOCK_K, BLOCK_N] buffers (perf/compile_report.py: 160 KB for 64 x 64 x 128 at 5 stages).
+PIPELINE_SHARED_BYTES = 192 * 1024
+MAX_STAGES = 5  # the H200 sweep's best at 64 rows (perf/results/2026-12-01-h200/18_gemm) took 5 of {3, 5}
+# A K split writes and reads back fp32 partials: at most this share of the weight's bytes (64 rows of q/k/v with
+# 4 splits, 25% more traffic, took 24.1 us against 16.5 without a split on the H200)
+MAX_PARTIAL_TRAFFIC = 1 / 16
+
+
+def pipeline_stages(block_m: int, block_n: int, block_k: int, element_size: int) -> int:
+    """The deepest pipeline (<= MAX_STAGES, >= 2) whose operand buffers, one set a stage, fit PIPELINE_SHARED_BYTES."""
+    per_stage = (block_m + block_n) * block_k * element_size
+    return max(2, min(MAX_STAGES, PIPELINE_SHARED_BYTES // per_stage))
+
+
+def max_k_split(block_m: int, in_features: int, element_size: int) -> int:
+    """The most K splits whose partials (write + read, fp32, [split, BLOCK_M, BLOCK_N] a tile) stay within
+    MAX_PARTIAL_TRAFFIC of the tile's weight bytes (BLOCK_N x in_features): 4 at 16 rows and 1 at 64 for K = 4096."""
+    return max(1, int(in_features * element_size * MAX_PARTIAL_TRAFFIC) // (2 * 4 * block_m))
+
+
 @functools.lru_cache(maxsize=1024)
-def _gemm_config_cached(num_rows: int, out_features: int, in_features: int) -> tuple[tuple[str, int], ...]:
-    block_m = min(MAX_SKINNY_ROWS, max(16, triton.next_power_of_2(num_rows)))
-    block_n = 64 if block_m <= 64 else 32
-    block_k = min(128, max(16, triton.next_power_of_2(in_features)))
-    tiles = cdiv(num_rows, block_m) * cdiv(out_features, block_n)
+def _gemm_config_cached(num_rows: int, out_features: int, in_features: int,
+                        element_size: int) -> tuple[tuple[str, int], ...]:
+    block_m = min(MAX_TILE_ROWS, max(16, triton.next_power_of_2(num_rows)))
+    # fp32 takes the FMA path (no tensor cores), whose operand slices live in registers: 64 x 64 x 128 spills there
+    block_k = min(128 if element_size <= 2 else 32, max(16, triton.next_power_of_2(in_features)))
+    row_tiles = cdiv(num_rows, block_m)
     num_k_blocks = cdiv(in_features, block_k)
-    want = cdiv(2 * NUM_SMS, tiles)  # about two programs per SM
-    split = next((d for d in range(1, num_k_blocks + 1) if num_k_blocks % d == 0 and d >= want), num_k_blocks)
-    return (("BLOCK_M", block_m), ("BLOCK_N", block_n), ("BLOCK_K", block_k), ("SPLIT_K", min(split, 16)),
-            ("num_warps", 4), ("num_stages", 4))  # fmt: skip
+    cap = max_k_split(block_m, in_features, element_size)
+    block_n = 64
+    if cap == 1 and row_tiles * cdiv(out_features, 64) < 2 * NUM_SMS // 3:
+        block_n = 32  # no affordable K split: narrower column blocks fill the SMs instead (64 rows of o on the H200)
+    want = cdiv(2 * NUM_SMS, row_tiles * cdiv(out_features, block_n))  # about two programs per SM
+    divisors = [d for d in range(1, num_k_blocks + 1) if num_k_blocks % d == 0]
+    split = next((d for d in divisors if d >= want), num_k_blocks)
+    split = max(d for d in divisors if d <= min(split, cap, 16))
+    return (("BLOCK_M", block_m), ("BLOCK_N", block_n), ("BLOCK_K", block_k), ("SPLIT_K", split),
+            ("num_warps", 4), ("num_stages", pipeline_stages(block_m, block_n, block_k, element_size)))  # fmt: skip
 
 
-def gemm_config(num_rows: int, out_features: int, in_features: int) -> dict[str, int]:
-    """The launcher's block sizes, K split, warps and pipeline stages for a [num_rows, in] x [out, in]^T GEMM: a
-    plain heuristic (tiles of BLOCK_M rows covering the batch, about two programs per SM through the K split), not
-    yet tuned on the H200 (``perf/bench_gemm.py --sweep`` times the alternatives). A fresh dict."""
-    return dict(_gemm_config_cached(num_rows, out_features, in_features))
+def gemm_config(num_rows: int, out_features: int, in_features: int, element_size: int = 2) -> dict[str, int]:
+    """The launcher's block sizes, K split, warps and pipeline stages for a [num_rows, in] x [out, in]^T GEMM of
+    ``element_size``-byte operands: tiles of BLOCK_M rows covering the batch; about two programs per SM through a
+    K split where its partials cost little (few rows), else through narrower column blocks; as many pipeline stages
+    as fit the shared memory; batches over 64 rows in several 64-row tiles. At 64 rows of Llama-3-8B's q/k/v and o
+    it gives the H200 sweep's best configs (16.5 and 12.7 us, cuBLAS 16.1 and 12.1); other row counts are not
+    swept yet (the 64-row cap for 128 rows is unmeasured). A fresh dict."""
+    return dict(_gemm_config_cached(num_rows, out_features, in_features, element_size))
 
 
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -148,8 +186,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         out = (x.float() @ weight.float().T + bias.float()).to(x.dtype)   # accumulated in fp32
 
     Args:
-        x: [M, K] fp16/bf16/fp32, unit column stride (any row stride). Meant for M <= MAX_SKINNY_ROWS (any M works:
-            larger batches take several BLOCK_M row tiles, which cuBLAS does better).
+        x: [M, K] fp16/bf16/fp32, unit column stride (any row stride). Meant for M <= MAX_SKINNY_ROWS (any M works,
+            in tiles of up to MAX_TILE_ROWS rows; larger batches are cuBLAS's).
         weight: [N, K] of x's dtype, unit column stride (nn.Linear's layout).
         bias: [N] or None.
         config: ``gemm_config``'s keys, to override the heuristic (the benchmark's sweep).
@@ -175,7 +213,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return out
     if in_features == 0:
         return out.copy_(bias.expand_as(out)) if bias is not None else out.zero_()
-    cfg = config if config is not None else gemm_config(num_rows, out_features, in_features)
+    cfg = config if config is not None else gemm_config(num_rows, out_features, in_features, x.element_size())
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     num_k_blocks = cdiv(in_features, block_k)
     blocks_per_split = cdiv(num_k_blocks, max(1, min(int(cfg["SPLIT_K"]), num_k_blocks)))

@@ -285,9 +285,9 @@ def other_launches(batch: int = 64, seq: int = 1024) -> None:
                   pool.view(-1, num_layers, 2, page, nkv, d), 5, torch.arange(batch, dtype=torch.int64), 32)
 
 
-def gemm_launches(rows: int = 64) -> None:
-    """The split-K base GEMM (``skinny_linear``, base_gemm="triton") of every Llama-3-8B projection group and the LM
-    head at ``rows`` tokens."""
+def gemm_launches(rows: int = 64, dtype: str = "bfloat16") -> None:
+    """The base GEMM (``skinny_linear``, base_gemm="triton") of every Llama-3-8B projection group and the LM head at
+    ``rows`` tokens of ``dtype``."""
     import torch
 
     from backend.model_config import ModelConfig
@@ -296,8 +296,8 @@ def gemm_launches(rows: int = 64) -> None:
     from perf.shapes import SHAPES
 
     for out_features, in_features in gemm_shapes(ModelConfig.from_dict(SHAPES["llama3-8b"])).values():
-        skinny_linear(torch.empty(rows, in_features, dtype=torch.bfloat16),
-                      torch.empty(out_features, in_features, dtype=torch.bfloat16))
+        skinny_linear(torch.empty(rows, in_features, dtype=getattr(torch, dtype)),
+                      torch.empty(out_features, in_features, dtype=getattr(torch, dtype)))
 
 
 def main() -> None:

@@ -34,6 +34,8 @@ with cr.compile_only() as reports:
     cr.moe_pair_launches(tokens=8, distinct=3)
     cr.gemm_launches(64)
     cr.gemm_launches(5)   # a small eager step: 16-row tiles
+    cr.gemm_launches(128)
+    cr.gemm_launches(130, "float32")   # the engine tests' fp32 models: 4-byte operands
 json.dump([asdict(r) for r in reports], sys.stdout)
 """
 
@@ -76,6 +78,14 @@ def test_kernels_read_global_memory_16_bytes_at_a_time(compiled):
             assert _widest_read(report) < 128, (report["name"], report["constexprs"], report["loads"])
             continue
         assert _widest_read(report) == 128, (report["name"], report["constexprs"], report["loads"])
+
+
+def test_every_kernel_fits_the_h200_shared_memory(compiled):
+    """227 KB a program (232,448 bytes): above it the launch fails with OutOfResources, on the GPU only (the
+    base GEMM's fp32 128 x 128 tiles at 4 stages asked 240 KB, perf/results/2026-12-01-h200/18_gemm)."""
+    assert any(r["name"] == "_skinny_gemm_kernel" and r["constexprs"]["BLOCK_M"] == 64 for r in compiled)
+    for report in compiled:
+        assert report["shared_bytes"] <= 232448, (report["name"], report["constexprs"], report["shared_bytes"])
 
 
 def test_no_kernel_spills_to_local_memory(compiled):

@@ -71,14 +71,34 @@ def test_shapes_of_one_model_launch_after_each_other_without_mixing_their_counte
     assert len(skinny_gemm._WORKSPACES) - before <= 2  # one per GEMM shape, whatever the batch in the bucket
 
 
-def test_heuristic_covers_the_batch_and_keeps_the_sms_busy():
+def test_heuristic_covers_the_batch_and_splits_k_only_where_the_partials_are_cheap():
+    from kernels.skinny_gemm import MAX_PARTIAL_TRAFFIC
+
     for rows in (1, 7, 16, 64, 128):
         for out_features, in_features in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
             cfg = gemm_config(rows, out_features, in_features)
-            assert cfg["BLOCK_M"] >= min(rows, 128) and cfg["BLOCK_M"] >= 16
-            programs = -(-out_features // cfg["BLOCK_N"]) * cfg["SPLIT_K"]
-            assert programs >= 132, (rows, out_features, in_features, cfg)
+            assert cfg["BLOCK_M"] >= min(rows, 64) and cfg["BLOCK_M"] >= 16
             assert in_features // cfg["BLOCK_K"] % cfg["SPLIT_K"] == 0, cfg  # every split the same K range
+            partial_bytes = 2 * 4 * cfg["SPLIT_K"] * cfg["BLOCK_M"] * cfg["BLOCK_N"] if cfg["SPLIT_K"] > 1 else 0
+            assert partial_bytes <= MAX_PARTIAL_TRAFFIC * cfg["BLOCK_N"] * in_features * 2, (rows, cfg)
+            programs = -(-out_features // cfg["BLOCK_N"]) * -(-rows // cfg["BLOCK_M"]) * cfg["SPLIT_K"]
+            assert programs >= 2 * 132 // 3, (rows, out_features, in_features, cfg)
+    # few rows: partials are cheap, so the narrow layers split K to fill the SMs; 64 rows: they are not
+    assert gemm_config(16, 4096, 4096)["SPLIT_K"] > 1
+    assert gemm_config(64, 4096, 4096)["SPLIT_K"] == 1 and gemm_config(64, 6144, 4096)["SPLIT_K"] == 1
+
+
+def test_heuristic_pipeline_fits_the_shared_memory():
+    """The H200 refused 4 stages of 128 x 128 fp32 tiles (240 KB of 227): the stage count follows the operand size."""
+    from kernels.skinny_gemm import PIPELINE_SHARED_BYTES, pipeline_stages
+
+    for element_size in (2, 4):
+        for rows in (1, 64, 128, 130, 300):
+            for out_features, in_features in ((64, 128), (6144, 4096), (4096, 14336)):
+                cfg = gemm_config(rows, out_features, in_features, element_size)
+                buffers = (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * element_size * cfg["num_stages"]
+                assert cfg["num_stages"] == 2 or buffers <= PIPELINE_SHARED_BYTES, (element_size, rows, cfg)
+    assert pipeline_stages(128, 32, 128, 4) == 2 and pipeline_stages(128, 32, 128, 2) == 4  # the refused launch's tile
 
 
 def test_empty_and_degenerate_shapes(device):
