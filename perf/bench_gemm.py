@@ -7,7 +7,8 @@ x of ``rows`` tokens. Each GEMM is timed with ``triton.testing.do_bench_cudagrap
 copies of the weight (>= 256 MB) that the L2 cache (50 MB) cannot hold it between repetitions, and reported against
 its bytes floor (weight + x + output at the device-to-device copy bandwidth measured at the start of the run).
 ``--sweep`` also times a grid of block sizes, K splits and pipeline depths at each (shape, rows) and prints the best
-against the launcher's heuristic (``kernels.skinny_gemm.gemm_config``). Results go to ``--out`` as JSON lines
+against the launcher's heuristic (``kernels.skinny_gemm.gemm_config``); every config's time goes to the record's
+``sweep`` list, fastest first. Results go to ``--out`` as JSON lines
 (default ``$OUT/bench_gemm.jsonl`` when OUT is set); a table is printed last.
 """
 
@@ -111,7 +112,8 @@ def main() -> None:
                     timed.append((us, cfg))
                 best_us, best_cfg = min(timed, key=lambda t: t[0])
                 rec.update(best_us=round(best_us, 2), best_config=best_cfg,
-                           heuristic_over_best=round(triton_us / best_us, 3))
+                           heuristic_over_best=round(triton_us / best_us, 3),
+                           sweep=[{**cfg, "us": round(us, 2)} for us, cfg in sorted(timed, key=lambda t: t[0])])
             records.append(rec)
             print(json.dumps(rec), flush=True)
         del ws

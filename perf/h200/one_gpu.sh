@@ -29,9 +29,9 @@
 #                                            # the BGMV shrink sweep                                       ~9 min
 #   bash perf/h200/one_gpu.sh fused $OUT     # the tree with the fused RoPE + KV write: its compiled tests and the
 #                                            # engine's, decode step with it and without, the headline    ~9 min
-#   bash perf/h200/one_gpu.sh gemm $OUT      # the split-K base GEMM (base_gemm=triton): compiled tests, each GEMM
-#                                            # against cuBLAS at 1-128 rows, the config sweep at 64 rows on q/k/v
-#                                            # and o, decode step torch / triton (one process)            ~9.5 min
+#   bash perf/h200/one_gpu.sh gemm $OUT      # the Triton base GEMM (base_gemm=triton): compiled tests, each GEMM
+#                                            # against cuBLAS at 1-128 rows, decode step torch / triton (one
+#                                            # process), the config sweep at 16 and 128 rows in the time left ~9.5 min
 #   bash perf/h200/one_gpu.sh sanitize $OUT  # compute-sanitizer memcheck over the compiled tests of the segmented
 #                                            # decode forms (kernels with device-built tables, no caching
 #                                            # allocator; the engine's graph replay) and of the split-K GEMM ~9 min
@@ -293,19 +293,20 @@ gemm)
     -k "skinny or triton_base_gemm or (llama-sdpa-True-bgmv) or (replay_equals_eager and bgmv)"
   PYTHONPATH=$ROOT timeout 100 python3 -m perf.bench_gemm --out "$W/gemm.jsonl" > "$W/gemm.txt" 2>&1
   stamp "GEMMs: triton / cuBLAS" $?
-  PYTHONPATH=$ROOT timeout 150 python3 -m perf.bench_gemm --rows 64 --shapes qkv,o --sweep \
-    --out "$W/gemm_sweep.jsonl" > "$W/gemm_sweep.txt" 2>&1
-  stamp "GEMM sweep" $?
-  left=$((570 - ($(date +%s) - T0)))
-  PYTHONPATH=$ROOT timeout $((left > 30 ? left : 30)) python3 -m perf.bench_decode_step --base-gemm torch,triton \
+  PYTHONPATH=$ROOT timeout 150 python3 -m perf.bench_decode_step --base-gemm torch,triton \
     --out "$W/step" > "$W/step.txt" 2>&1
   stamp "decode step: base GEMMs torch / triton" $?
+  # the sweep last, in the time left (18_gemm swept 64 rows of q/k/v and o): each record is printed as it is done
+  left=$((570 - ($(date +%s) - T0)))
+  PYTHONPATH=$ROOT timeout $((left > 30 ? left : 30)) python3 -m perf.bench_gemm --rows 16,128 \
+    --shapes qkv,o,down,gate_up --sweep --rep-ms 3 --out "$W/gemm_sweep.jsonl" > "$W/gemm_sweep.txt" 2>&1
+  stamp "GEMM sweep" $?
   {
     summary_head
     echo "== GEMMs"; sed -n '/^shape /,/^$/p' "$W/gemm.txt"
+    echo "== decode step"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$W/step.txt" | cut -c1-200
     echo "== GEMM sweep"; sed -n '/^shape /,/^$/p' "$W/gemm_sweep.txt"; grep -o '"best_config": {[^}]*}' \
       "$W/gemm_sweep.txt"
-    echo "== decode step"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$W/step.txt" | cut -c1-200
   } > "$OUT/gemm.txt" 2>&1
   ;;
 sanitize)
