@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from backend.adapter import AdapterSpec
+from backend.adapter_directory import AdapterDirectory
 from backend.adapter_manager import AdapterManager
 from backend.adapter_process_loader import SHM_DIR, choose_directory
 from backend.catalogue import AdapterCatalogue
@@ -26,7 +27,7 @@ from backend.config import EngineConfig, ModelKernelOptions, check_decode_form
 from backend.cuda_graphs import DecodeGraphs
 from backend.detokenize import IncrementalDecoder, load_tokenizer
 from backend.devices import default_load_processes, resolve_device, resolve_kernels
-from backend.errors import AdapterError, ErrorCode, RequestError
+from backend.errors import ErrorCode, RequestError
 from backend.host_cache import HostAdapterCache
 from backend.kv_cache import PagedKVCache
 from backend.loader import resolve_dtype
@@ -73,11 +74,6 @@ def eos_token_ids(model_dir: str, cfg: ModelConfig) -> frozenset[int]:
     return frozenset(int(i) for i in ids)
 
 
-def _adapter_info(spec: AdapterSpec) -> dict:
-    return {"name": spec.name, "rank": spec.rank, "target_modules": list(spec.target_modules), "sha256": spec.sha256,
-            "path": spec.path, "layers": len(spec.layers)}
-
-
 class Engine:
     """One base model, a catalogue of adapters, a paged KV cache, and the step loop."""
 
@@ -99,7 +95,8 @@ class Engine:
         self.eos_ids = eos_token_ids(config.model_dir, cfg)
         self.catalogue = AdapterCatalogue(cfg, config.max_lora_rank)
         self.catalogue.register_all(config.adapters, strict=True)
-        self.resolvers = load_resolvers(config.resolvers)
+        self.directory = AdapterDirectory(self.catalogue, load_resolvers(config.resolvers),
+                                          config.allow_runtime_adapters)
         # adapter loader processes and the host tier's byte limit, resolved once for every rank
         self.load_processes = (config.adapter_load_processes if config.adapter_load_processes is not None
                                else default_load_processes(self.device))
@@ -253,7 +250,7 @@ class Engine:
         spec = None
         if request.adapter:
             try:
-                spec = self._adapter_spec(request.adapter)
+                spec = self.directory.resolve(request.adapter)
             except RequestError as e:
                 raise RequestError(e.code, f"request {rid}: {e.message}") from None
         need = self.kv.pages_needed(n + p.max_tokens) + (self.adapters.pages(spec) if spec else 0)
@@ -267,55 +264,14 @@ class Engine:
                                f"request {rid}: queue full ({limit} waiting requests, max_queue_size); retry later")
         return spec
 
-    def _adapter_spec(self, name: str) -> AdapterSpec:
-        """The registered version of an adapter, asking the resolvers (if any) about unknown names."""
-        try:
-            return self.catalogue.resolve(name)
-        except RequestError:
-            for resolver in self.resolvers:
-                path = resolver.resolve(name)
-                if path is None:
-                    continue
-                try:
-                    spec = self.catalogue.register(name, path)
-                except AdapterError as e:
-                    if name in self.catalogue:  # a concurrent request resolved it first
-                        return self.catalogue.get(name)
-                    raise RequestError(ErrorCode.INVALID_ARG, str(e)) from None
-                log.info("resolved adapter '%s' to %s", name, path)
-                return spec
-            raise
-
     # ----------------------------------------------------- adapter lifecycle
-    def _check_runtime_updates(self) -> None:
-        if not self.config.allow_runtime_adapters:
-            raise RequestError(ErrorCode.UNSUPPORTED,
-                               "runtime adapter updates are off; the operator enables them with "
-                               "MANYLORA_ALLOW_RUNTIME_ADAPTERS=1")
-
     def load_adapter(self, name: str, path: str, sha256: str | None = None, replace: bool = False) -> dict:
-        """Register (or, with replace, re-version) an adapter while serving. Requests admitted
-        before a replace finish on the version they were admitted with."""
-        self._check_runtime_updates()
-        if name in self.catalogue and not replace:
-            raise RequestError(ErrorCode.ALREADY_EXISTS,
-                               f"adapter '{name}' is already registered; unload it first or pass replace")
-        try:
-            spec = (self.catalogue.replace if replace else self.catalogue.register)(name, path, sha256)
-        except AdapterError as e:
-            raise RequestError(ErrorCode.INVALID_ARG, str(e)) from None
-        log.info("adapter '%s' %s from %s (sha256 %s)", name, "replaced" if replace else "loaded", path, spec.sha256)
-        return _adapter_info(spec)
+        """Register (or, with replace, re-version) an adapter while serving (``AdapterDirectory.load``)."""
+        return self.directory.load(name, path, sha256, replace)
 
     def unload_adapter(self, name: str) -> dict:
         """Unregister an adapter: new requests get NOT_FOUND, admitted ones finish on their version."""
-        self._check_runtime_updates()
-        try:
-            spec = self.catalogue.unregister(name)
-        except KeyError:
-            raise RequestError(ErrorCode.NOT_FOUND, f"unknown adapter '{name}'; nothing to unload") from None
-        log.info("adapter '%s' unloaded (sha256 %s)", name, spec.sha256)
-        return _adapter_info(spec)
+        return self.directory.unload(name)
 
     def submit(self, request: GenerationRequest, emit: EmitFn) -> None:
         """Validate and queue a request; raises RequestError (nothing queued) if it is bad."""
@@ -335,7 +291,7 @@ class Engine:
 
     # ---------------------------------------------------------------- queries
     def list_adapters(self) -> list[dict]:
-        return [_adapter_info(s) for s in self.catalogue.specs()]
+        return self.directory.list()
 
     def stats(self) -> dict:
         """Counters and pool state; safe from any thread (taken between two loop iterations)."""
