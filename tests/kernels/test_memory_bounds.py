@@ -48,3 +48,26 @@ def test_an_access_outside_every_argument_fails_naming_it(shift, kind, where):
 def test_masked_off_lanes_are_not_accesses():
     """Lanes past n point outside the tensor but are masked off: no access, as on the GPU."""
     _launch(3)
+
+
+@triton.jit
+def _gather(table_ptr, x_ptr, out_ptr, n):
+    offs = tl.arange(0, 16)
+    mask = offs < n
+    index = tl.load(table_ptr + offs, mask=mask, other=0)
+    tl.store(out_ptr + offs, tl.load(x_ptr + index, mask=mask, other=0.0), mask=mask)
+
+
+def test_a_table_nobody_wrote_is_stale_memory_under_the_poison():
+    """A gather through a table the launcher forgot to fill: zeros (a pass) from a fresh CPU allocation, a read
+    far past x once torch.empty hands out stale memory as the GPU's allocator does (poison_empty.py)."""
+    from poison_empty import POISON_INT, poisoned_empty
+
+    x, constructors = torch.randn(8), (torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.new_empty)
+    with poisoned_empty():
+        table = torch.empty(4, dtype=torch.int32)  # meant to be filled, and not
+        assert int(table[0]) == POISON_INT and torch.isnan(torch.empty(2)).all()
+        assert bool(torch.empty_like(table, dtype=torch.bool).all()) and int(table.new_empty(1)[0]) == POISON_INT
+        with pytest.raises(Exception, match="_gather program \\(0, 0, 0\\): a load of 4 bytes .*beyond the end of"):
+            _gather[(1,)](table, x, torch.zeros(4), 4)
+    assert (torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.new_empty) == constructors  # restored
