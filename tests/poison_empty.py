@@ -6,7 +6,7 @@ kernel or launcher that reads an element nobody wrote (a table's padding, a row 
 expand should skip) then gets a stale value: as an index, an illegal memory access on the GPU and, with zeros, a
 silent pass on the CPU. Inside ``poisoned_empty()``, every tensor made by the Python-level empty constructors is
 filled first: floats with NaN, integers with a large positive value (an index past any tensor: the bounds check
-of ``memory_bounds.py`` then names the read), booleans with True.
+of ``kernels/memory_bounds.py`` then names the read, under the interpreter), booleans with True.
 """
 
 from __future__ import annotations

@@ -3,12 +3,10 @@
 TRITON_INTERPRET is set here, before any test module imports triton. To run the same tests
 compiled on a GPU, start pytest with TRITON_INTERPRET=0: tensors are then made on "cuda".
 Interpreted, every kernel launch of every test checks its memory accesses against its tensor
-arguments (memory_bounds.py): what would be an illegal memory access on the GPU fails the test. With
-MANYLORA_POISON_EMPTY=1 every Python-level torch.empty is filled with NaN / a huge index first (poison_empty.py):
-a read of memory nobody wrote then fails as stale GPU memory would.
+arguments (memory_bounds.py): what would be an illegal memory access on the GPU fails the test (and, with
+MANYLORA_POISON_EMPTY=1, ../conftest.py fills every torch.empty first, as stale GPU memory).
 """
 
-import contextlib
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -41,8 +39,6 @@ def _memory_accesses_in_bounds():
         yield
         return
     from memory_bounds import bounds_checked
-    from poison_empty import poisoned_empty
 
-    poisoning = poisoned_empty() if os.environ.get("MANYLORA_POISON_EMPTY") == "1" else contextlib.nullcontext()
-    with bounds_checked(), poisoning:
+    with bounds_checked():
         yield
