@@ -34,7 +34,8 @@
 #                                            # process), the config sweep at 16 and 128 rows in the time left ~9.5 min
 #   bash perf/h200/one_gpu.sh sanitize $OUT  # compute-sanitizer memcheck over the compiled tests of the segmented
 #                                            # decode forms (kernels with device-built tables, no caching
-#                                            # allocator; the engine's graph replay) and of the split-K GEMM ~9 min
+#                                            # allocator; the engine's graph replay) and of the split-K GEMM;
+#                                            # initcheck over their eager engine tests                      ~9 min
 #   bash perf/h200/one_gpu.sh server $OUT    # tritonserver: TTFT at 50/90% of SATURATION, perf_analyzer at
 #                                            # concurrency 16 and request rates PA_RATES                    ~8 min
 # DECODE_LORA (bgmv|sgmv) and PREFILL (sdpa|paged) pick the engine's kernels in the headline part.
@@ -312,23 +313,26 @@ gemm)
 sanitize)
   # the segmented decode forms' illegal memory access (their compiled engine tests, 2026-11-30): where it is.
   # Without the caching allocator every tensor is its own allocation, so memcheck sees an access past any of them
-  # (CUDA graphs need the allocator: the engine's graph test runs with it)
-  memcheck() {
-    local name=$1 limit=$2
-    shift 2
+  # and initcheck a read of bytes nobody wrote (CUDA graphs need the allocator: the engine's graph test runs with it)
+  sanitizer() {
+    local tool=$1 name=$2 limit=$3
+    shift 3
     MANYLORA_EXPERIMENTAL_DECODE_FORMS=1 PYTHONPATH=$ROOT TRITON_INTERPRET=0 timeout "$limit" compute-sanitizer \
-      --tool memcheck --print-limit 8 --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider "$@" \
+      --tool "$tool" --print-limit 8 --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider "$@" \
       > "$W/$name.txt" 2>&1
-    stamp "memcheck $name" $?
+    stamp "$tool $name" $?
   }
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 memcheck lora_kernels 170 tests/kernels/test_lora_kernels.py \
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 sanitizer memcheck lora_kernels 140 tests/kernels/test_lora_kernels.py \
     -k "(grid and (64-130 or 17-72)) or cuda_graph_sizes"
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 memcheck skinny_gemm 90 tests/kernels/test_skinny_gemm.py
-  memcheck engine_graphs 250 tests/kernels/test_engine_kernels.py -k "replay_equals_eager and (sgmv or hybrid)"
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 sanitizer memcheck skinny_gemm 50 tests/kernels/test_skinny_gemm.py -k "matches"
+  sanitizer memcheck engine_graphs 220 tests/kernels/test_engine_kernels.py -k "replay_equals_eager and (sgmv or hybrid)"
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 sanitizer initcheck engine_eager 130 tests/kernels/test_engine_kernels.py \
+    -k "kernel_path_matches_peft and (sgmv or hybrid)"
   {
     summary_head
-    for name in lora_kernels skinny_gemm engine_graphs; do
-      echo "== $name"; grep -E "ERROR SUMMARY|Invalid|Address 0x|is out of bounds|by thread|at 0x|passed|failed" \
+    for name in lora_kernels skinny_gemm engine_graphs engine_eager; do
+      echo "== $name"
+      grep -E "ERROR SUMMARY|Invalid|Uninitialized|Address 0x|is out of bounds|by thread|at 0x|passed|failed" \
         "$W/$name.txt" | head -24
     done
   } > "$OUT/sanitize.txt" 2>&1
