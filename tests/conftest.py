@@ -17,8 +17,9 @@ def _poisoned_empty_memory():
     if os.environ.get("MANYLORA_POISON_EMPTY") != "1":
         yield
         return
-    from backend import unified_pool
     from poison_empty import poison, poisoned_empty
+
+    from backend import unified_pool
 
     made = unified_pool.UnifiedPool.__init__
 
