@@ -3,9 +3,10 @@
 A decode step multiplies 1-128 token rows by every projection's weight ([N, K], 16-64 MB in bf16 for Llama-3-8B):
 the GEMM is a stream over the weight, and its speed is the share of the copy bandwidth it keeps. One program per
 [BLOCK_N] column block leaves few programs for the narrow layers (q/k/v: 96 blocks of 64, o: 64, on 132 SMs), so
-the K axis is split too: SPLIT_K programs per column block each reduce a contiguous K range into fp32, write their
-partial sum to a workspace, and the last of them to finish (an atomic counter per output tile) adds the partials
-in split order, adds the bias, rounds to the output dtype and stores, then resets the counter for the next launch.
+for few rows, where the partial sums cost little traffic, the K axis is split too (``gemm_config``): SPLIT_K
+programs per column block each reduce a contiguous K range into fp32, write their partial sum to a workspace,
+and the last of them to finish (an atomic counter per output tile) adds the partials in split order, adds the
+bias, rounds to the output dtype and stores, then resets the counter for the next launch.
 One launch, no memset, deterministic (the sum's order does not depend on which program finished last), and
 CUDA-graph safe (the workspace and counters are made once per row bucket and shape, by the eager forwards that
 precede a capture; a capture that would have to make one refuses instead).

@@ -1,4 +1,4 @@
-"""Uninitialised memory as a GPU gives it, for kernels run under the interpreter.
+"""Uninitialised memory as a GPU gives it, for the tests on the CPU (``MANYLORA_POISON_EMPTY=1``, tests/conftest.py).
 
 On the CPU a fresh ``torch.empty`` is mostly zeros (new pages from the OS); on a GPU the caching allocator hands
 back whatever the last owner of the block left, and a CUDA graph's replays reuse its memory pool the same way. A
@@ -6,7 +6,7 @@ kernel or launcher that reads an element nobody wrote (a table's padding, a row 
 expand should skip) then gets a stale value: as an index, an illegal memory access on the GPU and, with zeros, a
 silent pass on the CPU. Inside ``poisoned_empty()``, every tensor made by the Python-level empty constructors is
 filled first: floats with NaN, integers with a large positive value (an index past any tensor: the bounds check
-of ``kernels/memory_bounds.py`` then names the read, under the interpreter), booleans with True.
+of ``tests/kernels/memory_bounds.py`` then names the read, under the interpreter), booleans with True.
 """
 
 from __future__ import annotations
