@@ -10,6 +10,10 @@ grouped by slot into segments, tl.dot tiles, prefill). As there, rows on 16 byte
 first column and width are multiples of 16 bytes, are read and written 16 bytes an instruction. The
 BGMV kernel has two bodies (``kernels/expand_tiles.py``; ``expand_config`` picks): B^T streamed row by
 row (ROWS, the default), or a [BLOCK_R, BLOCK_N] tile reduced over the rank (small launches).
+
+The BGMV form can also overwrite instead of add (``overwrite=True``): it then writes the LoRA term alone into an
+fp32 buffer, zero in base-only tokens' rows, so that it can run beside the base GEMM (on the LoRA side stream of a
+captured decode step) and the kernel consuming the projection's output adds it (``backend/lora_batch.LoraDelta``).
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ def _lora_expand_bgmv_kernel(
     ROW_ALIGN: tl.constexpr,  # elements in 16 bytes of the pool dtype
     COL_ALIGN: tl.constexpr,  # elements in 16 bytes of the pool or output dtype, the more
     ROWS: tl.constexpr,  # B^T streamed row by row (bgmv_expand_rows); False: the [BLOCK_R, BLOCK_N] tile
+    OVERWRITE: tl.constexpr,  # out = the LoRA term (zero for base-only tokens) instead of out += it
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -74,33 +79,38 @@ def _lora_expand_bgmv_kernel(
     if pid_m >= num_tokens:
         return
     slot = tl.load(token_slots_ptr + pid_m)
-    if slot < 0:
+    if (slot < 0) & (not OVERWRITE):
         return  # base-only token: its output row stays untouched
     n_start = tl.load(slice_offsets_ptr + slice_id)
     n_size = tl.load(slice_offsets_ptr + slice_id + 1) - n_start
     if pid_n * BLOCK_N >= n_size:
         return  # this slice is narrower than the widest one
     token = pid_m.to(tl.int64)
+    out_row = out_ptr + token * stride_om
+    if slot < 0:  # OVERWRITE: a base-only token's LoRA term is zero
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        zero = tl.zeros((BLOCK_N,), dtype=out_ptr.dtype.element_ty)
+        tl.store(out_row + (n_start + offs_n).to(tl.int64) * stride_on, zero, mask=offs_n < n_size)
+        return
     slot = slot.to(tl.int64)
     rank = tl.load(ranks_ptr + slice_id * stride_rs + slot * stride_rslot)
     scaling = tl.load(scalings_ptr + slice_id * stride_ss + slot * stride_sslot)
 
     y_row = y_ptr + slice_id * stride_ys + token * stride_ym
     b_offs_row = b_row_offsets_ptr + slice_id * stride_bs + slot * stride_bslot
-    out_row = out_ptr + token * stride_om
     if not ROWS:  # the tile (plain loads)
         bgmv_expand_tile(y_row, stride_yr, b_offs_row, stride_br, pool_ptr, out_row, stride_on, rank, scaling,
-                         n_start, n_size, pid_n, BLOCK_R, BLOCK_N)  # fmt: skip
+                         n_start, n_size, pid_n, BLOCK_R, BLOCK_N, False, OVERWRITE)  # fmt: skip
     # a slice that starts and ends on 16 bytes (q/k/v and gate/up do) over rank rows on 16 bytes (the paged layout)
     # takes the unrolled 16-byte path, with the slice's bounds promised as (v // A) * A == v
     elif (n_start % COL_ALIGN == 0) & (n_size % COL_ALIGN == 0) & rows_aligned(b_offs_row, stride_br, rank,
                                                                                  ROW_ALIGN, BLOCK_R):
         bgmv_expand_rows(y_row, stride_yr, b_offs_row, stride_br, pool_ptr, out_row, stride_on, rank, scaling,
                          (n_start // COL_ALIGN) * COL_ALIGN, (n_size // COL_ALIGN) * COL_ALIGN, pid_n,
-                         BLOCK_R, BLOCK_N, ROW_ALIGN, True)  # fmt: skip
+                         BLOCK_R, BLOCK_N, ROW_ALIGN, True, OVERWRITE)  # fmt: skip
     else:
         bgmv_expand_rows(y_row, stride_yr, b_offs_row, stride_br, pool_ptr, out_row, stride_on, rank, scaling,
-                         n_start, n_size, pid_n, BLOCK_R, BLOCK_N, ROW_ALIGN, False)  # fmt: skip
+                         n_start, n_size, pid_n, BLOCK_R, BLOCK_N, ROW_ALIGN, False, OVERWRITE)  # fmt: skip
 
 
 @triton.jit
@@ -287,6 +297,7 @@ def lora_expand(
     *,
     segments: SegmentMeta | None = None,
     config: dict[str, int] | None = None,
+    overwrite: bool = False,
 ) -> torch.Tensor:
     """LoRA expand over paged adapter rows, added in place into the base output (BGMV or SGMV).
 
@@ -304,8 +315,10 @@ def lora_expand(
                 base_out[t, lo:hi] += scalings[i, s] * (y[i, t, :r].float() @ Bt.float())
 
     Accumulation is fp32; each output element is read, added to and written once (cast to the
-    dtype of ``base_out`` once). Only y[i, t, :rank] is read, so y's columns past the rank and
-    rows of slot -1 tokens may hold anything. The rank loop stops at each slot's rank.
+    dtype of ``base_out`` once). With ``overwrite`` (BGMV only) ``+=`` becomes ``=`` and the row of a slot -1
+    token is set to 0 in every slice (columns outside the slices stay untouched): ``base_out`` then holds the LoRA
+    term alone, typically an fp32 buffer a later kernel adds. Only y[i, t, :rank] is read, so y's columns past the
+    rank and rows of slot -1 tokens may hold anything. The rank loop stops at each slot's rank.
 
     Args:
         y: float32 [num_slices, T, R_max] (or [T, R_max] for one slice): shrink output. Any strides.
@@ -322,6 +335,7 @@ def lora_expand(
             Default: one slice covering all columns.
         segments: optional SegmentMeta built from this ``token_slots``: use the SGMV form.
         config: optional block-size override (keys as returned by ``expand_config``).
+        overwrite: write the LoRA term instead of adding it (see above); not with ``segments``.
 
     ``lora_expand(...)`` is ``prepare_expand(...).launch(...)`` with the same tensors: callers that launch the
     same shapes many times (every layer of a step) prepare once.
@@ -330,7 +344,7 @@ def lora_expand(
         ``base_out``.
     """
     prepared = prepare_expand(y, pool, b_row_offsets, ranks, scalings, token_slots, base_out, slice_offsets,
-                              segments=segments, config=config)
+                              segments=segments, config=config, overwrite=overwrite)
     return prepared.launch(y, pool, b_row_offsets, ranks, scalings, token_slots, base_out)
 
 
@@ -346,8 +360,11 @@ def prepare_expand(
     *,
     segments: SegmentMeta | None = None,
     config: dict[str, int] | None = None,
+    overwrite: bool = False,
 ) -> ExpandLaunch:
     """Check ``lora_expand``'s arguments and choose its launch (see ``lora_expand`` for them); nothing runs."""
+    if overwrite and segments is not None:
+        raise ValueError("lora_expand's overwrite form is BGMV only: pass segments=None with overwrite=True")
     check_tensor("y", y, dtype=torch.float32, dims=(2, 3))
     device = y.device
     single = y.dim() == 2
@@ -380,7 +397,7 @@ def prepare_expand(
              "COL_ALIGN": 16 // min(pool.element_size(), base_out.element_size())}
     if segments is None:
         cfg = dict(config or expand_config(num_tokens, max_out, max_rank, segmented=False, num_slices=num_slices))
-        meta = {"ROWS": True, **cfg, **align}
+        meta = {"ROWS": True, **cfg, **align, "OVERWRITE": overwrite}
         return ExpandLaunch((num_tokens, cdiv(max_out, cfg["BLOCK_N"]), num_slices), meta, bounds, single,
                             relaunch=relauncher(_lora_expand_bgmv_kernel, **meta))
     check_segments(segments, num_tokens, device)

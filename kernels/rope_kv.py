@@ -12,6 +12,10 @@ activation dtype, and their sum rounded once more. The kernel is compiled withou
 the compiler turns "bf16 product, rounded, plus bf16 product" into one bf16 FMA that skips the first rounding (one
 bf16 step off the torch ops in ~24% of random elements as emulated on the CPU; the compiled test on the H200 caught
 it, perf/results/2026-12-01-h200/15_pdl).
+
+``lora_delta`` (fp32, [T, (NQ + 2 NKV) * D]) is the q/k/v projection's LoRA term computed beside its base GEMM
+(``backend/lora_batch.LoraDelta``): added to q, k and v first, in fp32 and rounded once, as the LoRA expand adds into
+the projection's output in place.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ def _rope_kv_write_kernel(
     slots_ptr,  # int64 [T]: page * page_size + offset of each token's k, v
     kv_ptr,  # [pages, layers, 2, page_size, NKV, D]
     norm_ptr,  # [NQ + NKV, D]: the per-head RMSNorm weight of each q and k head (read only with NORM)
+    lora_ptr,  # fp32 [T, (NQ + 2 NKV) * D]: the q/k/v projection's LoRA term (read only with HAS_LORA)
     layer,
     page_size,
     eps,
@@ -43,6 +48,7 @@ def _rope_kv_write_kernel(
     stride_qkh,
     stride_vt,
     stride_vh,
+    stride_lt,
     stride_cos,
     stride_kvp,
     stride_kvl,
@@ -56,6 +62,7 @@ def _rope_kv_write_kernel(
     BLOCK_V: tl.constexpr,  # >= NKV, a power of two
     BLOCK_D: tl.constexpr,  # >= D, a power of two (each half's columns: BLOCK_D // 2)
     NORM: tl.constexpr,
+    HAS_LORA: tl.constexpr,
 ):
     """Program (t, 0): token t's q and k heads, a [BLOCK_H, BLOCK_D] tile; program (t, 1): its v heads."""
     token = tl.program_id(0).to(tl.int64)
@@ -68,6 +75,9 @@ def _rope_kv_write_kernel(
         offs_v = tl.arange(0, BLOCK_V)
         mask = (offs_v < NKV)[:, None] & d_mask[None, :]
         v = tl.load(v_ptr + token * stride_vt + offs_v[:, None] * stride_vh + offs_d[None, :], mask=mask, other=0.0)
+        if HAS_LORA:  # v's columns follow the q and k heads'
+            lora_v = lora_ptr + token * stride_lt + (NQ + NKV + offs_v[:, None]) * D + offs_d[None, :]
+            v = (v.to(tl.float32) + tl.load(lora_v, mask=mask, other=0.0)).to(v.dtype)
         tl.store(kv_row + stride_kvk + offs_v[:, None] * stride_kvh + offs_d[None, :], v, mask=mask)
         return
     offs_h = tl.arange(0, BLOCK_H)
@@ -78,6 +88,10 @@ def _rope_kv_write_kernel(
     x1 = tl.load(rows, mask=mask, other=0.0)
     x2 = tl.load(rows + D // 2, mask=mask, other=0.0)
     dtype = x1.dtype
+    if HAS_LORA:  # the projection's output with its LoRA term, rounded as the in-place expand leaves it
+        lora_rows = lora_ptr + token * stride_lt + offs_h[:, None] * D + offs_c[None, :]
+        x1 = (x1.to(tl.float32) + tl.load(lora_rows, mask=mask, other=0.0)).to(dtype)
+        x2 = (x2.to(tl.float32) + tl.load(lora_rows + D // 2, mask=mask, other=0.0)).to(dtype)
     if NORM:  # rms_norm(x) * w per head, rounded as the torch ops are
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
         inv = tl.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / D + eps)[:, None]
@@ -115,11 +129,15 @@ def rope_kv_write(
     num_q_heads: int,
     norm: torch.Tensor | None = None,
     eps: float = 1e-6,
+    lora_delta: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q in place, and store rotated k and v in the paged KV cache; returns the q heads (a view of ``qk``).
 
     Semantics (NQ = num_q_heads, ps = kv.shape[3], ``rms_norm`` that of backend.models.llama)::
 
+        if lora_delta is not None:                             # columns: q heads, k heads, v heads
+            qk = (qk.float() + lora_delta[:, :(NQ + NKV) * D].view(T, NQ + NKV, D)).to(dtype)
+            v = (v.float() + lora_delta[:, (NQ + NKV) * D:].view(T, NKV, D)).to(dtype)
         if norm is not None:
             qk = rms_norm(qk, norm, eps)                       # per head, over D
         half = D // 2
@@ -144,6 +162,7 @@ def rope_kv_write(
         num_q_heads: NQ.
         norm: optional [NQ + NKV, D] per-head RMSNorm weights (Qwen3's q_norm for each q head, then k_norm).
         eps: the norm's epsilon.
+        lora_delta: optional float32 [T, (NQ + 2 NKV) * D], contiguous rows: the q/k/v projection's LoRA term.
 
     Returns:
         ``qk[:, :NQ]``: the rotated q heads.
@@ -181,17 +200,24 @@ def rope_kv_write(
         check_tensor("norm", norm, dtype=FLOAT_DTYPES, dims=2, device=device)
         check_shape("norm", norm, (heads, head_dim))
         norm = norm.contiguous()
+    if lora_delta is not None:
+        check_tensor("lora_delta", lora_delta, dtype=torch.float32, dims=2, device=device)
+        check_shape("lora_delta", lora_delta, (num_tokens, (heads + num_kv_heads) * head_dim))
+        if lora_delta.stride(1) != 1:
+            raise ValueError(f"lora_delta must have unit column stride, got strides {lora_delta.stride()}")
     q = qk[:, :num_q_heads]
     if num_tokens == 0:
         return q
     block_h, block_d = triton.next_power_of_2(heads), triton.next_power_of_2(head_dim)
     relaunch = relauncher(_rope_kv_write_kernel, NQ=num_q_heads, NKV=num_kv_heads, D=head_dim, BLOCK_H=block_h,
                           BLOCK_V=triton.next_power_of_2(num_kv_heads), BLOCK_D=block_d, NORM=norm is not None,
-                          num_warps=4 if block_h * block_d >= 2048 else 1, enable_fp_fusion=False)
+                          HAS_LORA=lora_delta is not None, num_warps=4 if block_h * block_d >= 2048 else 1,
+                          enable_fp_fusion=False)
     relaunch(
         (num_tokens, 2), qk, v, positions, cos, sin, slots, kv,
-        norm if norm is not None else qk, layer, kv.shape[3], eps,
-        qk.stride(0), qk.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+        norm if norm is not None else qk, lora_delta if lora_delta is not None else qk, layer, kv.shape[3], eps,
+        qk.stride(0), qk.stride(1), v.stride(0), v.stride(1),
+        lora_delta.stride(0) if lora_delta is not None else 0, cos.stride(0),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), kv.stride(4),
     )  # fmt: skip
     return q

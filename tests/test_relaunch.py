@@ -26,7 +26,7 @@ def meta_of(fn):
 # (kernel, positional arguments its launcher passes)
 for fn, positional in [(s._lora_shrink_bgmv_kernel, 21), (s._lora_shrink_sgmv_kernel, 22),
                        (e._lora_expand_bgmv_kernel, 21), (e._lora_expand_sgmv_kernel, 23),
-                       (a._add_rms_norm_kernel, 11), (m._silu_mul_kernel, 5), (p._paged_decode_attention_kernel, 21)]:
+                       (a._add_rms_norm_kernel, 13), (m._silu_mul_kernel, 7), (p._paged_decode_attention_kernel, 21)]:
     r = Relauncher(fn, meta_of(fn))
     assert r._direct, fn
     tail = r._constexpr_tail(positional)
@@ -37,7 +37,7 @@ def mid(x_ptr, N: tl.constexpr, y_ptr):
     pass
 
 assert Relauncher(mid, {"N": 4})._constexpr_tail(2) is None          # a constexpr among the positional ones
-assert Relauncher(m._silu_mul_kernel, {})._constexpr_tail(5) is None  # BLOCK not in meta
+assert Relauncher(m._silu_mul_kernel, {})._constexpr_tail(7) is None  # BLOCK not in meta
 print("ok")
 """
 

@@ -100,6 +100,51 @@ def check_expand(case: LoraCase, device: str, segmented: bool | str, config=None
     assert torch.equal(out[inactive], base[inactive]), "rows of base-only tokens must stay untouched"
 
 
+def check_expand_overwrite(case: LoraCase, device: str, config=None) -> None:
+    """The BGMV expand's overwrite form into an fp32 buffer of NaN: every element written, the LoRA term alone (the
+    reference expanded into zeros), rows of base-only tokens exactly zero; and base + that term is the in-place
+    expand's result (what the deferred expand's consumers rely on)."""
+    ns = case.a_row_offsets.shape[0]
+    num_tokens, max_rank = case.x.shape[0], case.a_row_offsets.shape[2]
+    slots = case.token_slots.cpu().long()
+    y = torch.randn(ns, num_tokens, max_rank, generator=case.gen)
+    rank_of_token = torch.where(slots >= 0, case.ranks.cpu()[:, slots.clamp(min=0)].long(), 0)
+    y[torch.arange(max_rank)[None, None, :] >= rank_of_token[:, :, None]] = float("nan")
+    width = case.slice_bounds[-1]
+    expected = torch.zeros(num_tokens, width)
+    ref_lora_expand(y, case.pool.cpu(), case.b_row_offsets.cpu(), case.ranks.cpu(), case.scalings.cpu(),
+                    case.token_slots.cpu(), expected, case.slice_bounds)  # fmt: skip
+    term = poisoned((num_tokens, width), device)
+    args = (case.pool, case.b_row_offsets, case.ranks, case.scalings, case.token_slots)
+    lora_expand(y.to(device), *args, term, case.slice_bounds, config=config, overwrite=True)
+    term = term.cpu()
+    assert not term.isnan().any(), "the overwrite form must write every element of the slices"
+    torch.testing.assert_close(term, expected, **TOL)
+    assert (term[slots < 0] == 0).all(), "a base-only token's LoRA term must be zero"
+    base = 10.0 * torch.randn(num_tokens, width, generator=case.gen)
+    in_place = base.to(device, copy=True)
+    lora_expand(y.to(device), *args, in_place, case.slice_bounds, config=config)
+    torch.testing.assert_close(base + term, in_place.cpu(), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("dist", DISTS)
+@pytest.mark.parametrize("config", ["heuristic", "rows", "tile"])
+def test_expand_overwrite(device, dist, config):
+    cfg = {"heuristic": None, "rows": ROWS_CONFIG, "tile": TILE_CONFIG}[config]
+    case = make_case(seed_of("overwrite", dist, config), 19, 72, [40, 24, 16], dist, device, align=4)
+    check_expand_overwrite(case, device, cfg)
+
+
+@pytest.mark.parametrize("cols", ["aligned", "odd"])
+def test_expand_overwrite_mixed_ranks(device, cols):
+    """Rank chunks partly past a slot's rank, slices on 16 bytes or of odd widths (the row-at-a-time fallback)."""
+    widths = [48, 24, 40] if cols == "aligned" else [45, 21, 37]
+    case = make_case(seed_of("overwrite_rows", cols), 23, 72, widths, "some_none", device, max_rank=32,
+                     rank_choices=(1, 3, 4, 16, 21, 32), align=4)  # fmt: skip
+    for config in ({"ROWS": True, "BLOCK_R": 4, "BLOCK_N": 32, "num_warps": 1}, TILE_CONFIG):
+        check_expand_overwrite(case, device, config)
+
+
 # ---------------------------------------------------------------------------------------------
 # the grid
 # ---------------------------------------------------------------------------------------------
@@ -387,3 +432,6 @@ def test_argument_errors(device):
         lora_expand(out, case.pool, case.b_row_offsets, case.ranks, case.scalings, case.token_slots, base, [0, 16, 32])
     with pytest.raises(TypeError, match="scalings"):
         lora_expand(out, case.pool, case.b_row_offsets, case.ranks, case.scalings.double(), case.token_slots, base)
+    with pytest.raises(ValueError, match="overwrite form is BGMV only"):
+        lora_expand(out, case.pool, case.b_row_offsets, case.ranks, case.scalings, case.token_slots, base,
+                    segments=build_segments(case.token_slots), overwrite=True)

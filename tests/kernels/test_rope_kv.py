@@ -84,6 +84,50 @@ def test_rope_kv_write_matches_reference(device, dtype, norm, tokens, num_q, num
             assert bf16_steps(got, want, at) <= (6 if norm else 3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("tokens, num_q, num_kv, head_dim", [(5, 4, 2, 8), (16, 32, 8, 128)])
+def test_rope_kv_write_adds_the_lora_term_first(device, dtype, norm, tokens, num_q, num_kv, head_dim):
+    """A deferred LoRA term (fp32 [T, (NQ + 2 NKV) * D]) is added to q, k and v and rounded once, then the norm,
+    the rotation and the cache write as without it: the reference on the projection output with the term added."""
+    gen = torch.Generator().manual_seed(tokens * 31 + num_q * 7 + head_dim + norm)
+    qkv, qk, v, cos, sin, kv, slots, positions = _case(gen, dtype, tokens, num_q, num_kv, head_dim,
+                                                       num_pages=5, page_size=4, layers=3, max_len=40)
+    term = torch.randn(tokens, qkv.shape[1], generator=gen)
+    weight = (1 + 0.3 * torch.randn(num_q + num_kv, head_dim, generator=gen)).to(dtype) if norm else None
+    layer = int(torch.randint(0, 3, (1,), generator=gen))
+    with_term = (qkv.float() + term).to(dtype)
+    split = (num_q + num_kv) * head_dim
+    qk_t = with_term[:, :split].view(tokens, num_q + num_kv, head_dim)
+    v_t = with_term[:, split:].view(tokens, num_kv, head_dim)
+    want_q, want_kv = ref_rope_kv_write(qk_t.clone(), v_t, positions, cos, sin, kv.clone(), layer, slots, num_q,
+                                        weight, 1e-6)  # fmt: skip
+
+    qkv_d, kv_d = qkv.clone().to(device), kv.clone().to(device)
+    qk_d = qkv_d[:, :split].view(tokens, num_q + num_kv, head_dim)
+    v_d = qkv_d[:, split:].view(tokens, num_kv, head_dim)
+    got_q = rope_kv_write(qk_d, v_d, positions.to(device), cos.to(device), sin.to(device), kv_d, layer,
+                          slots.to(device), num_q, None if weight is None else weight.to(device), 1e-6,
+                          lora_delta=term.to(device)).cpu()  # fmt: skip
+    got_kv = kv_d.cpu()
+    page, off = slots // kv.shape[3], slots % kv.shape[3]
+    scale = _product_scale(qk_t, positions, cos, sin, weight, 1e-6)
+    pairs = ((got_q, want_q, scale[:, :num_q]),
+             (got_kv[page, layer, 0, off], want_kv[page, layer, 0, off], scale[:, num_q:]),
+             (got_kv[page, layer, 1, off], want_kv[page, layer, 1, off], v_t))  # fmt: skip
+    for got, want, at in pairs:
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        elif device != "cpu" and not norm:  # compiled: the torch ops' roundings, the add's too
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        else:  # as above, and one more interpreter cast (the add's)
+            assert bf16_steps(got, want, at) <= (8 if norm else 5)
+    assert not torch.allclose(got_kv[page, layer, 1, off].float(), v[...].float(), rtol=0.05, atol=0.05)
+    with pytest.raises(ValueError, match="lora_delta must have shape"):
+        rope_kv_write(qk_d, v_d, positions.to(device), cos.to(device), sin.to(device), kv_d, layer,
+                      slots.to(device), num_q, lora_delta=term[:, 1:].to(device))  # fmt: skip
+
+
 def test_rope_kv_write_bad_input(device):
     gen = torch.Generator().manual_seed(3)
     _, qk, v, cos, sin, kv, slots, positions = _case(gen, torch.float32, 4, 2, 1, 8, num_pages=2, page_size=4,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rounding import to_bf16_as_kernels_round
 
 from kernels.reference import ref_silu_mul
 from kernels.silu_mul import silu_mul
@@ -40,3 +41,27 @@ def test_silu_mul_empty_and_bad_input(device):
         silu_mul(torch.randn(8, 4, device=device).t())
     with pytest.raises(TypeError, match="dtype"):
         silu_mul(torch.ones(2, 4, dtype=torch.int32, device=device))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, width", [(1, 3), (5, 1000), (3, 2048)])
+def test_silu_mul_adds_the_lora_term_first(device, dtype, rows, width):
+    """A deferred LoRA term (fp32 [T, 2I]) is added to gate and up and rounded once before the activation: the same
+    result as the kernel on the projection output with the term added and rounded as the kernel rounds (to nearest
+    compiled; toward zero in the interpreter, where one step of a gate near -9 moves silu by 6%), and the reference
+    on it."""
+    gen = torch.Generator().manual_seed(rows * 4099 + width)
+    gate_up = (3 * torch.randn(rows, 2 * width, generator=gen)).to(dtype)
+    term = torch.randn(rows, 2 * width + 4, generator=gen)[:, 1 : 2 * width + 1]
+    exact = gate_up.float() + term
+    with_term = to_bf16_as_kernels_round(exact, device) if dtype == torch.bfloat16 else exact
+    got = silu_mul(gate_up.to(device), term.to(device)).cpu()
+    torch.testing.assert_close(got, silu_mul(with_term.to(device)).cpu(), rtol=0, atol=0)
+    want = ref_silu_mul(with_term)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:
+        assert bf16_steps(got, want) <= (1 if device != "cpu" else 2)
+    assert not torch.allclose(silu_mul(gate_up.to(device)).cpu().float(), want.float(), rtol=0.05, atol=0.05)
+    with pytest.raises(ValueError, match="lora_delta must have shape"):
+        silu_mul(gate_up.to(device), term[:, 1:].to(device))
