@@ -6,6 +6,11 @@ rank-row offsets ([layer, projection, A|B, slot, rank]). Projections that share 
 "torch" gathers the rows it needs (the CPU path, and the reference); "triton" launches the
 shrink/expand kernels of kernels/, which read the rows in place.
 
+In a captured decode step (BGMV expand, LoRA side stream) a projection whose output goes straight into a fused kernel
+(RoPE + KV write, residual add + RMSNorm, silu * up) takes its expand off the step's critical path: the expand runs
+on the side stream after the shrink, beside the base GEMM, writing the LoRA term alone into an fp32 buffer
+(``LoraDelta``), and the consuming kernel adds it, rounded as the in-place expand would have left the output.
+
 MoE bases: slots 7 + 2e (+1) of the module axis hold expert e's gate_up_proj (down_proj) rows
 (backend/adapter_packing.py); ``apply_expert`` adds them for the (token, expert) pairs routed to e,
 gathering the rows in torch on either path.
@@ -47,6 +52,32 @@ _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 SIDE_STREAM = os.environ.get("MANYLORA_LORA_SIDE_STREAM", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
+# ... and, where the projection's consumer can add it, its expand too (LoraDelta); MANYLORA_LORA_DEFER_EXPAND=0 keeps
+# every expand in place after its GEMM (perf/bench_decode_step.py --defer-expand times both)
+DEFER_EXPAND = os.environ.get("MANYLORA_LORA_DEFER_EXPAND", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+@dataclass
+class LoraDelta:
+    """A projection's LoRA term, computed beside its base GEMM (``LoraBatch.expand_deferred``) for the kernel that
+    consumes the projection's output to add: ``scaling * (x @ A^T) @ B^T`` per token, zero in base-only tokens'
+    rows."""
+
+    values: torch.Tensor  # fp32 [T, sum(widths)]
+    side_stream: torch.cuda.Stream | None  # where it is computed, when not on the current stream
+
+    def ready(self) -> torch.Tensor:
+        """``values``, once the current stream has waited for the side stream that writes them."""
+        if self.side_stream is not None:
+            torch.cuda.current_stream(self.values.device).wait_stream(self.side_stream)
+            self.side_stream = None
+        return self.values
+
+    def add_into(self, out: torch.Tensor) -> torch.Tensor:
+        """out += the term in place (fp32 arithmetic, one rounding: the in-place expand's result); returns out."""
+        return out.add_(self.ready())
+
+
 def _side_stream(x: torch.Tensor) -> torch.cuda.Stream:
     """One side stream per device, for the LoRA shrinks."""
     if x.device not in _SIDE_STREAMS:
@@ -75,6 +106,10 @@ def moe_lora_expressible(ranks: torch.Tensor, scalings: torch.Tensor) -> bool:
 
 class LoraBatch:
     """Which adapter slot serves each token of a step (-1: none), and the slots' tables."""
+
+    # whether ``defers_expand`` says yes: None follows DEFER_EXPAND inside a capture with the side stream; True / False
+    # force it (tests check the deferred form's numerics in eager steps, on the CPU too)
+    defer_expand: bool | None = None
 
     def __init__(self, token_slots: list[int], adapters: list[ResidentAdapter], pool: torch.Tensor, device: str,
                  use_kernels: bool = False, decode_form: str = "bgmv") -> None:
@@ -287,6 +322,38 @@ class LoraBatch:
             launch = self._launches[key] = prepare_expand(pending.y, self.pool, tables, ranks, scalings,
                                                           self.token_slots, out, bounds, segments=self.segments)
         launch.launch(pending.y, self.pool, tables, ranks, scalings, self.token_slots, out)
+
+    def defers_expand(self, x: torch.Tensor) -> bool:
+        """Whether a projection of input x may take ``expand_deferred``: the kernel path's BGMV expand (the only form
+        with an overwrite mode), inside a capture with the side stream unless ``defer_expand`` says otherwise."""
+        if not self.use_kernels or self.segments is not None:
+            return False
+        if self.defer_expand is not None:
+            return self.defer_expand
+        return DEFER_EXPAND and _overlaps(x)
+
+    def expand_deferred(self, pending: PendingShrink, widths: tuple[int, ...]) -> LoraDelta:
+        """Kernel path, second half of ``apply`` for a consumer that adds the term itself: the expand of a ``shrink``
+        written into a new fp32 [T, sum(widths)] buffer, on the shrink's stream (the side stream, beside the base
+        GEMM, inside a capture). Callers check ``defers_expand`` first."""
+        from kernels.lora_expand import prepare_expand
+
+        layer, mods = pending.layer, pending.modules
+        tables, ranks, scalings = self.row_offsets[layer, mods, 1], self.ranks[layer, mods], self.scalings[layer, mods]
+        # allocated on the step's stream, which the side stream waited on at the shrink: no reuse race either way
+        values = torch.empty((pending.y.shape[1], sum(widths)), dtype=torch.float32, device=pending.y.device)
+        key = ("expand_deferred", mods.start, widths, pending.y.shape)
+        launch = self._launches.get(key)
+        if launch is None:
+            bounds = [0]
+            for w in widths:
+                bounds.append(bounds[-1] + w)
+            launch = self._launches[key] = prepare_expand(pending.y, self.pool, tables, ranks, scalings,
+                                                          self.token_slots, values, bounds, overwrite=True)
+        side = pending.side_stream
+        with torch.cuda.stream(side) if side is not None else nullcontext():
+            launch.launch(pending.y, self.pool, tables, ranks, scalings, self.token_slots, values)
+        return LoraDelta(values, side)
 
     def _apply_torch(self, x: torch.Tensor, out: torch.Tensor, layer: int, m: int) -> None:
         n_in, n_out = x.shape[1], out.shape[1]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from backend.kv_cache import PagedKVCache
 from backend.loader import load_state_dict
-from backend.lora_batch import LoraBatch
+from backend.lora_batch import LoraBatch, LoraDelta
 from backend.model_config import ModelConfig
 from backend.prefill_attention import attend, build_groups
 from backend.rope import RotaryEmbedding
@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
+# a projection's output and, when its expand was deferred (``LoraBatch.expand_deferred``), its LoRA term: the one
+# kernel that consumes the output adds it
+Projected = tuple[torch.Tensor, LoraDelta | None]
 
 
 @dataclass
@@ -81,8 +84,10 @@ class LlamaModel:
     ``use_kernels`` (set by the engine on its kernel path) runs the residual add + RMSNorm as one
     Triton kernel unless ``fuse_add_norm`` is off, the MLP's silu(gate) * up as one unless ``fuse_silu_mul`` is
     off, and each layer's q/k norm, rotary embedding and KV-cache write as one unless ``fuse_rope_kv`` is off; the
-    decode attention kernel is chosen by the batch (``StepBatch.decode``). ``base_gemm`` "triton" takes the base
-    layers' GEMMs (and the LM head's) of steps of at most ``MAX_SKINNY_ROWS`` tokens to ``kernels/skinny_gemm.py``.
+    decode attention kernel is chosen by the batch (``StepBatch.decode``). Each of those fused kernels adds the LoRA
+    term of the projection it consumes when the LoraBatch deferred that projection's expand (``_project``).
+    ``base_gemm`` "triton" takes the base layers' GEMMs (and the LM head's) of steps of at most ``MAX_SKINNY_ROWS``
+    tokens to ``kernels/skinny_gemm.py``.
     """
 
     use_kernels: bool = False
@@ -163,50 +168,68 @@ class LlamaModel:
         if isinstance(lora, LoraBatch):
             lora.begin_forward(batch.input_ids.shape[0])
         h = self.embed[batch.input_ids]
-        x, _ = self._add_norm(h, None, self.layers[0].input_norm)
+        x, _ = self._add_norm(h, None, None, self.layers[0].input_norm)
         for i, w in enumerate(self.layers):
-            x, h = self._add_norm(h, self._attention(x, i, w, batch, kv, lora), w.post_attention_norm)
-            delta = self._mlp(x, i, w, lora)
+            x, h = self._add_norm(h, *self._attention(x, i, w, batch, kv, lora), w.post_attention_norm)
+            delta, delta_lora = self._mlp(x, i, w, lora)
             if i + 1 < len(self.layers):  # the next layer's input norm, with this residual add
-                x, h = self._add_norm(h, delta, self.layers[i + 1].input_norm)
+                x, h = self._add_norm(h, delta, delta_lora, self.layers[i + 1].input_norm)
             else:
-                h = h + delta
+                h = h + (delta_lora.add_into(delta) if delta_lora is not None else delta)
         h = rms_norm(h.index_select(0, batch.logits_rows), self.final_norm, self.cfg.rms_norm_eps)
         return self._linear(h, self.lm_head, None).float()
 
-    def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None,
+    def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, delta_lora: LoraDelta | None,
                   weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rms_norm(h + delta) * weight, h + delta): one Triton kernel on the kernel path."""
+        """(rms_norm(h + delta) * weight, h + delta), delta with its deferred LoRA term delta_lora added first: one
+        Triton kernel on the kernel path."""
         if self.use_kernels and self.fuse_add_norm:
             from kernels.add_rms_norm import add_rms_norm
 
-            return add_rms_norm(h, delta, weight, self.cfg.rms_norm_eps)
+            lora = delta_lora.ready() if delta_lora is not None else None
+            return add_rms_norm(h, delta, weight, self.cfg.rms_norm_eps, lora_delta=lora)
+        if delta_lora is not None:
+            delta_lora.add_into(delta)
         h = h + delta if delta is not None else h
         return rms_norm(h, weight, self.cfg.rms_norm_eps), h
 
-    def _mlp(self, x: torch.Tensor, i: int, w: LayerWeights, lora: LoraBatch | None) -> torch.Tensor:
-        """Layer i's SwiGLU MLP with its LoRA (subclasses replace it: MoeModel routes to experts)."""
+    def _mlp(self, x: torch.Tensor, i: int, w: LayerWeights, lora: LoraBatch | None) -> Projected:
+        """Layer i's SwiGLU MLP with its LoRA, and the down projection's deferred LoRA term (subclasses replace it:
+        MoeModel routes to experts)."""
         cfg = self.cfg
-        gate_up = self._project(x, w.gate_up, w.gate_up_bias, i, lora, GATE_UP, (cfg.intermediate_size,) * 2)
-        act = self._silu_mul(gate_up)
-        down = self._project(act, w.down, w.down_bias if self.comm is None else None, i, lora, ("down_proj",),
-                             (cfg.hidden_size,))
-        return self._reduce(down, w.down_bias)
+        fused_act = self.use_kernels and self.fuse_silu_mul
+        gate_up, gate_up_lora = self._project(x, w.gate_up, w.gate_up_bias, i, lora, GATE_UP,
+                                              (cfg.intermediate_size,) * 2, defer=fused_act)
+        act = self._silu_mul(gate_up, gate_up_lora)
+        down, down_lora = self._project(act, w.down, w.down_bias if self.comm is None else None, i, lora,
+                                        ("down_proj",), (cfg.hidden_size,), defer=self._adds_row_parallel_lora())
+        return self._reduce(down, w.down_bias), down_lora
+
+    def _adds_row_parallel_lora(self) -> bool:
+        """Whether the residual add + RMSNorm kernel takes o_proj's and down_proj's deferred LoRA terms: one device
+        only (a tensor-parallel rank's partial sums need theirs before the all-reduce)."""
+        return self.use_kernels and self.fuse_add_norm and self.comm is None
 
     def _project(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, i: int,
-                 lora: LoraBatch | None, modules: tuple[str, ...], widths: tuple[int, ...]) -> torch.Tensor:
-        """x @ weight^T (+ bias) with layer i's LoRA of ``modules`` added. On the kernel path the shrink is launched
-        before the base GEMM (it needs only x: captured decode steps run it on a side stream beside the GEMM)."""
+                 lora: LoraBatch | None, modules: tuple[str, ...], widths: tuple[int, ...],
+                 defer: bool = False) -> Projected:
+        """(x @ weight^T (+ bias) with layer i's LoRA of ``modules`` added, None); or, with ``defer`` (the caller's
+        consumer adds a LoraDelta) where the LoraBatch allows it, (the base output, its LoRA term computed beside
+        the GEMM). On the kernel path the shrink is launched before the base GEMM (it needs only x: captured decode
+        steps run it on a side stream beside the GEMM, and the deferred expand after it)."""
         if lora is None:
-            return self._linear(x, weight, bias)
+            return self._linear(x, weight, bias), None
         if not lora.use_kernels:
             out = self._linear(x, weight, bias)
             lora.apply(x, out, i, modules, widths)
-            return out
+            return out, None
         pending = lora.shrink(x, i, modules)
+        if defer and lora.defers_expand(x):
+            term = lora.expand_deferred(pending, widths)
+            return self._linear(x, weight, bias), term
         out = self._linear(x, weight, bias)
         lora.expand(pending, out, widths)
-        return out
+        return out, None
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight^T (+ bias): F.linear, or the split-K Triton GEMM for decode-sized steps (``base_gemm``)."""
@@ -217,12 +240,15 @@ class LlamaModel:
                 return skinny_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
-    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of the fused gate/up output [T, 2I]: one Triton kernel on the kernel path."""
+    def _silu_mul(self, gate_up: torch.Tensor, gate_up_lora: LoraDelta | None = None) -> torch.Tensor:
+        """silu(gate) * up of the fused gate/up output [T, 2I] (its deferred LoRA term added first): one Triton
+        kernel on the kernel path."""
         if self.use_kernels and self.fuse_silu_mul:
             from kernels.silu_mul import silu_mul
 
-            return silu_mul(gate_up)
+            return silu_mul(gate_up, gate_up_lora.ready() if gate_up_lora is not None else None)
+        if gate_up_lora is not None:
+            gate_up_lora.add_into(gate_up)
         gate, up = gate_up.split(gate_up.shape[1] // 2, dim=-1)
         return F.silu(gate) * up
 
@@ -244,19 +270,22 @@ class LlamaModel:
                                             self.cfg.sliding_window) if batch.sequences else None
 
     def _attention(self, x: torch.Tensor, i: int, w: LayerWeights, batch: StepBatch, kv: PagedKVCache,
-                   lora: LoraBatch | None) -> torch.Tensor:
+                   lora: LoraBatch | None) -> Projected:
+        """Layer i's attention block: o_proj's output and its deferred LoRA term."""
         cfg = self.cfg
         T = x.shape[0]
         q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        qkv = self._project(x, w.qkv, w.qkv_bias, i, lora, QKV, (q_out, kv_out, kv_out))
+        fused_rope = self.use_kernels and self.fuse_rope_kv
+        qkv, qkv_lora = self._project(x, w.qkv, w.qkv_bias, i, lora, QKV, (q_out, kv_out, kv_out), defer=fused_rope)
         # q and k heads side by side ([T, nh + nkv, d], a view of qkv): one norm and one rotation for both
         qk = qkv[:, : q_out + kv_out].view(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, q_out + kv_out:].view(T, cfg.num_kv_heads, cfg.head_dim)
-        if self.use_kernels and self.fuse_rope_kv:
+        if fused_rope:
             from kernels.rope_kv import rope_kv_write
 
             q = rope_kv_write(qk, v, batch.positions, self.rope.cos, self.rope.sin, kv.storage, i, batch.kv_slots,
-                              cfg.num_heads, w.qk_norm, cfg.rms_norm_eps)
+                              cfg.num_heads, w.qk_norm, cfg.rms_norm_eps,
+                              lora_delta=qkv_lora.ready() if qkv_lora is not None else None)
         else:
             if w.qk_norm is not None:
                 qk = rms_norm(qk, w.qk_norm, cfg.rms_norm_eps)
@@ -271,8 +300,9 @@ class LlamaModel:
         if batch.prefill_groups:
             attend(q, out, i, kv.storage, batch.prefill_groups, self.scale)
         attn = out.view(T, q_out)
-        o = self._project(attn, w.o, w.o_bias if self.comm is None else None, i, lora, ("o_proj",), (cfg.hidden_size,))
-        return self._reduce(o, w.o_bias)
+        o, o_lora = self._project(attn, w.o, w.o_bias if self.comm is None else None, i, lora, ("o_proj",),
+                                  (cfg.hidden_size,), defer=self._adds_row_parallel_lora())
+        return self._reduce(o, w.o_bias), o_lora
 
     def _decode_attention(self, q: torch.Tensor, out: torch.Tensor, layer: int, decode: DecodeRows,
                           kv: PagedKVCache) -> None:

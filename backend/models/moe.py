@@ -29,7 +29,7 @@ from backend.kv_cache import PagedKVCache
 from backend.loader import checkpoint_files, load_state_dict
 from backend.lora_batch import LoraBatch
 from backend.model_config import ModelConfig
-from backend.models.llama import LayerWeights, LlamaModel, weight_names
+from backend.models.llama import LayerWeights, LlamaModel, Projected, weight_names
 from backend.step_batch import StepBatch
 
 GATE_UP_PARAM, DOWN_PARAM = 0, 1  # expert parameter index (EXPERT_PARAMETERS order)
@@ -148,9 +148,10 @@ class MoeModel(LlamaModel):
                                "graph-mode LoraBatch (the torch expert loop has data-dependent shapes)")
         return super().forward(batch, kv, lora)
 
-    def _mlp(self, x: torch.Tensor, i: int, w: MoeLayerWeights, lora: LoraBatch | None) -> torch.Tensor:
-        """Sparse layers route to experts; dense ones (Qwen3-MoE's mlp_only_layers) are LlamaModel's MLP."""
-        return self._sparse_mlp(x, i, w, lora) if w.router is not None else super()._mlp(x, i, w, lora)
+    def _mlp(self, x: torch.Tensor, i: int, w: MoeLayerWeights, lora: LoraBatch | None) -> Projected:
+        """Sparse layers route to experts (no deferred LoRA term); dense ones (Qwen3-MoE's mlp_only_layers) are
+        LlamaModel's MLP."""
+        return (self._sparse_mlp(x, i, w, lora), None) if w.router is not None else super()._mlp(x, i, w, lora)
 
     def _fused_experts(self, x: torch.Tensor, i: int, w: MoeLayerWeights, lora: LoraBatch | None,
                        top_w: torch.Tensor, top_ids: torch.Tensor) -> torch.Tensor | None:

@@ -71,6 +71,44 @@ def test_kernel_path_matches_peft(tmp_path, device, family, prefill_attention, f
         engine.shutdown()
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_deferred_expand_matches_peft(tmp_path, device, family, monkeypatch):
+    """Every expand of the small steps deferred (as captured decode steps defer them, here forced in eager steps):
+    q/k/v's LoRA term added by the RoPE + KV write kernel (Qwen3: before its q/k norm), o_proj's and down_proj's by
+    the residual add + RMSNorm, gate/up's by silu * up; mixed adapters, ranks and base-only rows, against PEFT."""
+    from backend.lora_batch import LoraBatch
+
+    deferred: list[tuple[int, ...]] = []
+    expand_deferred = LoraBatch.expand_deferred
+
+    def counted(self, pending, widths):
+        deferred.append(widths)
+        return expand_deferred(self, pending, widths)
+
+    monkeypatch.setattr(LoraBatch, "defer_expand", True)
+    monkeypatch.setattr(LoraBatch, "expand_deferred", counted)
+    extra = {"qwen3": {"head_dim": 24}}.get(family, {})
+    base = make_base(tmp_path / "base", family, seed=37, **extra)
+    rng = random.Random(family + "defer")
+    adapters = {f"a{i}": str(write_random_adapter(tmp_path / f"a{i}", base, rank=rank,
+                                                  targets=rng.sample(ALL, rng.randint(3, 7)), seed=60 + i))
+                for i, rank in enumerate([2, 8, 16])}
+    engine = Engine(EngineConfig(model_dir=str(base), adapters=adapters, device=device, dtype="float32",
+                                 kernels="triton", max_lora_rank=16, page_size=8, cuda_graphs=False))
+    try:
+        names = [None, *adapters]
+        cases = [([0] + [rng.randrange(2, 290) for _ in range(rng.randint(1, 12))], names[i % len(names)])
+                 for i in range(6)]
+        assert_generations_match_peft(engine, base, adapters, cases, 6, "d")
+        assert_pool_drained(engine)
+    finally:
+        engine.shutdown()
+    cfg = engine.model.cfg
+    qkv = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
+    widths = {qkv, (cfg.hidden_size,), (cfg.intermediate_size,) * 2}
+    assert set(deferred) == widths, "every projection's expand must have been deferred"
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_triton_base_gemm_matches_peft(tmp_path, device, family, monkeypatch):
     """base_gemm "triton": the base layers' GEMMs and the LM head of steps up to 128 tokens through the split-K
