@@ -171,6 +171,10 @@ def main() -> None:
     ap.add_argument("--lora-side-stream", default="on",
                     help="captured steps run each LoRA shrink on a side stream beside its base GEMM (on) or in line "
                          "(off); comma-separated: each in turn")
+    ap.add_argument("--defer-expand", default="on",
+                    help="with the side stream, captured steps run each LoRA expand whose consumer is a fused kernel "
+                         "beside the base GEMM too, the consumer adding its term (on), or in place after the GEMM "
+                         "(off); comma-separated: each in turn")
     ap.add_argument("--base-gemm", default="torch",
                     help="the base layers' GEMMs and the LM head (EngineConfig.base_gemm): torch (cuBLAS) or triton "
                          "(kernels/skinny_gemm.py, split-K); comma-separated: each in turn")
@@ -213,6 +217,9 @@ def main() -> None:
     side_streams = args.lora_side_stream.split(",")
     if not set(side_streams) <= {"on", "off"}:
         ap.error(f"--lora-side-stream takes on and/or off, got {args.lora_side_stream!r}")
+    defers = args.defer_expand.split(",")
+    if not set(defers) <= {"on", "off"}:
+        ap.error(f"--defer-expand takes on and/or off, got {args.defer_expand!r}")
     base_gemms = args.base_gemm.split(",")
     if not set(base_gemms) <= set(BASE_GEMMS):
         ap.error(f"--base-gemm takes {' and/or '.join(BASE_GEMMS)}, got {args.base_gemm!r}")
@@ -227,20 +234,21 @@ def main() -> None:
     rows = []
     capture_s = {}
     graphs = None
-    variants = [(form, rope_kv, side, gemm) for form in forms for rope_kv in rope_kvs for side in side_streams
-                for gemm in base_gemms]
-    for form, rope_kv, side, gemm in variants:
+    variants = [(form, rope_kv, side, defer, gemm) for form in forms for rope_kv in rope_kvs for side in side_streams
+                for defer in defers for gemm in base_gemms]
+    for form, rope_kv, side, defer, gemm in variants:
         if graphs is not None:  # the previous variant's graphs: their memory goes back before the next capture
             graphs = None
             torch.cuda.empty_cache()
         model.fuse_rope_kv = rope_kv == "fused"
         lora_batch.SIDE_STREAM = side == "on"
+        lora_batch.DEFER_EXPAND = defer == "on"
         model.base_gemm = gemm
         graphs = DecodeGraphs(model, kv, scratch, args.batch, blocks, max(max(counts), 1), args.rank,
                               decode_form=form)
-        label = f"{form}, rope+kv {rope_kv}, side stream {side}, base gemm {gemm}"
+        label = f"{form}, rope+kv {rope_kv}, side stream {side}, defer expand {defer}, base gemm {gemm}"
         print(f"LoRA kernels of the decode step: {form}; RoPE + KV write: {rope_kv}; LoRA side stream: {side}; "
-              f"base GEMMs: {gemm}", flush=True)
+              f"deferred expand: {defer}; base GEMMs: {gemm}", flush=True)
         graphs.buckets = [args.batch]
         t0 = time.perf_counter()
         graphs._reset_padding(args.batch)
@@ -270,6 +278,7 @@ def main() -> None:
                     "lora_kernels": form,
                     "rope_kv": rope_kv,
                     "side_stream": side,
+                    "defer_expand": defer,
                     "base_gemm": gemm,
                     "adapters": n,
                     "step_ms": round(step_ms, 3),
@@ -303,9 +312,10 @@ def main() -> None:
     (Path(args.out) / "decode_step.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
     print(f"{'adapters':>8} {'step ms':>8} {'floor ms':>9} {'x floor':>8} {'tok/s':>9} {'vs base':>8}  LoRA kernels, "
-          "RoPE + KV write, LoRA side stream, base GEMMs")
+          "RoPE + KV write, LoRA side stream, deferred expand, base GEMMs")
+
     def variant(r: dict) -> tuple[str, ...]:
-        return r["lora_kernels"], r["rope_kv"], r["side_stream"], r["base_gemm"]
+        return r["lora_kernels"], r["rope_kv"], r["side_stream"], r["defer_expand"], r["base_gemm"]
 
     base_ms = {variant(r): r["step_ms"] for r in rows if r["adapters"] == 0}
     for r in rows:

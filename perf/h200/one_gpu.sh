@@ -32,6 +32,9 @@
 #   bash perf/h200/one_gpu.sh gemm $OUT      # the Triton base GEMM (base_gemm=triton): compiled tests, each GEMM
 #                                            # against cuBLAS at 1-128 rows, decode step torch / triton (one
 #                                            # process), the config sweep at 16 and 128 rows in the time left ~9.5 min
+#   bash perf/h200/one_gpu.sh defer $OUT     # the deferred expand (beside the base GEMM, added by the fused
+#                                            # consumer): compiled tests, decode step with it and without (one
+#                                            # process, profiled), the headline with it                   ~9 min
 #   bash perf/h200/one_gpu.sh sanitize $OUT  # compute-sanitizer memcheck over the compiled tests of the segmented
 #                                            # decode forms (kernels with device-built tables, no caching
 #                                            # allocator; the engine's graph replay) and of the split-K GEMM;
@@ -40,7 +43,7 @@
 #                                            # concurrency 16 and request rates PA_RATES                    ~8 min
 # DECODE_LORA (bgmv|sgmv) and PREFILL (sdpa|paged) pick the engine's kernels in the headline part.
 set -u
-PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, sanitize, headline, mixed, final, profile or server}
+PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, sanitize, headline, mixed, final, profile or server}
 OUT=${2:-/tmp/h200}
 ROOT=$PWD
 BASE=${BASE:-$ROOT/.baseline_s9}
@@ -309,6 +312,26 @@ gemm)
     echo "== GEMM sweep"; sed -n '/^shape /,/^$/p' "$W/gemm_sweep.txt"; grep -o '"best_config": {[^}]*}' \
       "$W/gemm_sweep.txt"
   } > "$OUT/gemm.txt" 2>&1
+  ;;
+defer)
+  compiled_tests 170 \
+    tests/kernels/test_lora_kernels.py tests/kernels/test_rope_kv.py tests/kernels/test_silu_mul.py \
+    tests/kernels/test_add_rms_norm.py tests/kernels/test_engine_kernels.py tests/kernels/test_step_graphs.py \
+    -k "overwrite or argument_errors or lora_term or deferred or (llama-sdpa-True-bgmv) or (qwen3-sdpa-True-bgmv) \
+    or (replay_equals_eager and bgmv) or mixed_steps"
+  PYTHONPATH=$ROOT timeout 160 python3 -m perf.bench_decode_step --defer-expand on,off --profile --out "$W/step" \
+    > "$W/step.txt" 2>&1
+  stamp "decode step: deferred expand on / off" $?
+  left=$((570 - ($(date +%s) - T0)))
+  headline headline $((left > 30 ? left : 30)) --adapters 5 100 1000 2000
+  stamp "headline" $?
+  rm -rf "$W/work"
+  {
+    summary_head
+    echo "== decode step"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$W/step.txt" | cut -c1-200
+    echo "== decode step kernels (top 6 of each)"; grep -A6 -E "^-- .*(8|64) adapters" "$W/step.txt" | cut -c1-110
+    headline_lines
+  } > "$OUT/defer.txt" 2>&1
   ;;
 sanitize)
   # the segmented decode forms' illegal memory access (their compiled engine tests, 2026-11-30): where it is.
