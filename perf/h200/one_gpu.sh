@@ -35,6 +35,8 @@
 #   bash perf/h200/one_gpu.sh defer $OUT     # the deferred expand (beside the base GEMM, added by the fused
 #                                            # consumer): compiled tests, decode step with it and without (one
 #                                            # process, profiled), the headline with it                   ~9 min
+#   bash perf/h200/one_gpu.sh defer_ab $OUT  # the deferred expand A/B: decode step on / off in interleaved rounds,
+#                                            # the headline at n = 5, 100 with it off, on, then off again ~8 min
 #   bash perf/h200/one_gpu.sh sanitize $OUT  # compute-sanitizer memcheck over the compiled tests of the segmented
 #                                            # decode forms (kernels with device-built tables, no caching
 #                                            # allocator; the engine's graph replay) and of the split-K GEMM;
@@ -43,7 +45,7 @@
 #                                            # concurrency 16 and request rates PA_RATES                    ~8 min
 # DECODE_LORA (bgmv|sgmv) and PREFILL (sdpa|paged) pick the engine's kernels in the headline part.
 set -u
-PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, sanitize, headline, mixed, final, profile or server}
+PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, defer_ab, sanitize, headline, mixed, final, profile or server}
 OUT=${2:-/tmp/h200}
 ROOT=$PWD
 BASE=${BASE:-$ROOT/.baseline_s9}
@@ -332,6 +334,26 @@ defer)
     echo "== decode step kernels (top 6 of each)"; grep -A6 -E "^-- .*(8|64) adapters" "$W/step.txt" | cut -c1-110
     headline_lines
   } > "$OUT/defer.txt" 2>&1
+  ;;
+defer_ab)
+  PYTHONPATH=$ROOT timeout 170 python3 -m perf.bench_decode_step --defer-expand on,off --rounds 3 --out "$W/step" \
+    > "$W/step.txt" 2>&1
+  stamp "decode step: deferred expand on / off, 3 rounds" $?
+  MANYLORA_LORA_DEFER_EXPAND=0 headline headline_off 130 --adapters 5 100
+  stamp "headline, deferred expand off" $?
+  headline headline_on 130 --adapters 5 100
+  stamp "headline, deferred expand on" $?
+  left=$((570 - ($(date +%s) - T0)))
+  if [ "$left" -gt 90 ]; then
+    MANYLORA_LORA_DEFER_EXPAND=0 headline headline_off2 "$left" --adapters 5 100
+    stamp "headline, deferred expand off again" $?
+  fi
+  rm -rf "$W/work"
+  {
+    summary_head
+    echo "== decode step"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$W/step.txt" | cut -c1-200
+    for h in headline_off headline_on headline_off2; do [ -f "$W/$h/summary.md" ] && headline_lines "$h"; done
+  } > "$OUT/defer_ab.txt" 2>&1
   ;;
 sanitize)
   # the segmented decode forms' illegal memory access (their compiled engine tests, 2026-11-30): where it is.
