@@ -18,9 +18,11 @@ gathering the rows in torch on either path.
 
 from __future__ import annotations
 
+import itertools
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +30,9 @@ from backend.adapter_packing import MODULE_INDEX, expert_slot
 from backend.adapter_pool import ResidentAdapter
 from backend.config import check_decode_form_name
 from backend.model_config import PROJECTIONS
+
+if TYPE_CHECKING:
+    from kernels.lora_expand import ExpandLaunch
 
 # Tokens per step above which the segmented (SGMV) kernels beat one program per token.
 SEGMENTED_MIN_TOKENS = 64
@@ -307,21 +312,10 @@ class LoraBatch:
 
     def expand(self, pending: PendingShrink, out: torch.Tensor, widths: tuple[int, ...]) -> None:
         """Kernel path, second half of ``apply``: add the expand of a ``shrink`` into out [T, sum(widths)]."""
-        from kernels.lora_expand import prepare_expand
-
         if pending.side_stream is not None:
             torch.cuda.current_stream(out.device).wait_stream(pending.side_stream)
-        layer, mods = pending.layer, pending.modules
-        tables, ranks, scalings = self.row_offsets[layer, mods, 1], self.ranks[layer, mods], self.scalings[layer, mods]
-        key = ("expand", mods.start, widths, tuple(out.shape), out.dtype, pending.y.shape)
-        launch = self._launches.get(key)
-        if launch is None:
-            bounds = [0]
-            for w in widths:
-                bounds.append(bounds[-1] + w)
-            launch = self._launches[key] = prepare_expand(pending.y, self.pool, tables, ranks, scalings,
-                                                          self.token_slots, out, bounds, segments=self.segments)
-        launch.launch(pending.y, self.pool, tables, ranks, scalings, self.token_slots, out)
+        launch, args = self._expand_launch(pending, out, widths, overwrite=False)
+        launch.launch(*args)
 
     def defers_expand(self, x: torch.Tensor) -> bool:
         """Whether a projection of input x may take ``expand_deferred``: the kernel path's BGMV expand (the only form
@@ -336,24 +330,30 @@ class LoraBatch:
         """Kernel path, second half of ``apply`` for a consumer that adds the term itself: the expand of a ``shrink``
         written into a new fp32 [T, sum(widths)] buffer, on the shrink's stream (the side stream, beside the base
         GEMM, inside a capture). Callers check ``defers_expand`` first."""
+        # allocated on the step's stream, which the side stream waited on at the shrink: no reuse race either way
+        values = torch.empty((pending.y.shape[1], sum(widths)), dtype=torch.float32, device=pending.y.device)
+        launch, args = self._expand_launch(pending, values, widths, overwrite=True)
+        side = pending.side_stream
+        with torch.cuda.stream(side) if side is not None else nullcontext():
+            launch.launch(*args)
+        return LoraDelta(values, side)
+
+    def _expand_launch(self, pending: PendingShrink, out: torch.Tensor, widths: tuple[int, ...],
+                       overwrite: bool) -> tuple[ExpandLaunch, tuple[torch.Tensor, ...]]:
+        """The expand of ``pending`` into out, prepared once per shapes (every layer of a step launches the same),
+        and its arguments; ``overwrite``: the BGMV overwrite form (see ``lora_expand``)."""
         from kernels.lora_expand import prepare_expand
 
         layer, mods = pending.layer, pending.modules
-        tables, ranks, scalings = self.row_offsets[layer, mods, 1], self.ranks[layer, mods], self.scalings[layer, mods]
-        # allocated on the step's stream, which the side stream waited on at the shrink: no reuse race either way
-        values = torch.empty((pending.y.shape[1], sum(widths)), dtype=torch.float32, device=pending.y.device)
-        key = ("expand_deferred", mods.start, widths, pending.y.shape)
+        args = (pending.y, self.pool, self.row_offsets[layer, mods, 1], self.ranks[layer, mods],
+                self.scalings[layer, mods], self.token_slots, out)
+        key = ("expand", overwrite, mods.start, widths, tuple(out.shape), out.dtype, pending.y.shape)
         launch = self._launches.get(key)
         if launch is None:
-            bounds = [0]
-            for w in widths:
-                bounds.append(bounds[-1] + w)
-            launch = self._launches[key] = prepare_expand(pending.y, self.pool, tables, ranks, scalings,
-                                                          self.token_slots, values, bounds, overwrite=True)
-        side = pending.side_stream
-        with torch.cuda.stream(side) if side is not None else nullcontext():
-            launch.launch(pending.y, self.pool, tables, ranks, scalings, self.token_slots, values)
-        return LoraDelta(values, side)
+            bounds = list(itertools.accumulate(widths, initial=0))
+            launch = self._launches[key] = prepare_expand(*args, bounds, segments=None if overwrite else self.segments,
+                                                          overwrite=overwrite)
+        return launch, args
 
     def _apply_torch(self, x: torch.Tensor, out: torch.Tensor, layer: int, m: int) -> None:
         n_in, n_out = x.shape[1], out.shape[1]

@@ -54,6 +54,12 @@ mkdir -p "$OUT" "$W"
 export PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=0
 T0=$(date +%s)
 stamp() { echo "$1 rc=$2 at $(($(date +%s) - T0)) s" >> "$W/times.txt"; }
+# time_left [BUDGET_S [AT_LEAST_S]]: seconds left of the part's BUDGET_S (570) since it began, at least AT_LEAST_S
+# (30): the timeout of a part's last step
+time_left() {
+  local left=$((${1:-570} - ($(date +%s) - T0)))
+  echo $((left > ${2:-30} ? left : ${2:-30}))
+}
 # headline NAME TIMEOUT_S ARGS...: perf.headline on the headline's workload (S-LoRA's, 288 requests offered at
 # 24 req/s for 12 s, then drained) into $W/NAME, its log $W/NAME.txt; ARGS add --adapters and any engine options
 headline() {
@@ -121,8 +127,7 @@ kernels)
   (cd "$BASE" && PYTHONPATH=$BASE timeout 80 python3 -m perf.bench_decode_step --out "$W/step_base") \
     > "$W/step_base.txt" 2>&1
   stamp "decode step baseline" $?
-  left=$((570 - ($(date +%s) - T0)))
-  PYTHONPATH=$ROOT timeout $((left > 30 ? left : 30)) python3 perf/bench_kernels.py --quick \
+  PYTHONPATH=$ROOT timeout $(time_left) python3 perf/bench_kernels.py --quick \
     --forms bgmv,sgmv-device --rep-ms 5 --out "$W/kernels_new.jsonl" > "$W/kernels_new.txt" 2>&1
   stamp "bench_kernels new" $?
   {
@@ -162,9 +167,8 @@ print(min(ok, key=ok.get) if ok else "bgmv")
 EOF2
 )
   echo "headline form: $FORM" >> "$W/times.txt"
-  left=$((520 - ($(date +%s) - T0)))
   # FORM passed its compiled tests above (or is bgmv): the engine may run it with the experimental flag
-  MANYLORA_EXPERIMENTAL_DECODE_FORMS=1 headline headline $((left > 60 ? left : 60)) --adapters 5 100 1000 2000 \
+  MANYLORA_EXPERIMENTAL_DECODE_FORMS=1 headline headline $(time_left 520 60) --adapters 5 100 1000 2000 \
     --decode-lora-kernels "$FORM"
   stamp "headline ($FORM)" $?
   rm -rf "$W/work"
@@ -190,8 +194,7 @@ expand)
     -k "not sgmv and not hybrid"
   decode_steps 100
   kernels_quick 40
-  left=$((570 - ($(date +%s) - T0)))
-  headline headline $((left > 60 ? left : 60)) --adapters 5 100 1000 2000
+  headline headline $(time_left 570 60) --adapters 5 100 1000 2000
   stamp "headline" $?
   rm -rf "$W/work"
   {
@@ -213,8 +216,7 @@ rows)
     --out "$W/expand_sweep.jsonl" > "$W/expand_sweep.txt" 2>&1
   stamp "expand sweep" $?
   decode_steps 100
-  left=$((575 - ($(date +%s) - T0)))
-  kernels_quick $((left > 20 ? left : 20))
+  kernels_quick $(time_left 575 20)
   {
     summary_head
     echo "== expand sweep"; grep -E "T= *[0-9]+ d=" "$W/expand_sweep.txt" | cut -c1-230
@@ -232,8 +234,7 @@ rows_ab)
     -k "grid or rows or aligned or (llama-sdpa-True-bgmv) or (replay_equals_eager and bgmv) or mixed_steps"
   decode_steps 140
   kernels_quick 40
-  left=$((580 - ($(date +%s) - T0)))
-  headline headline $((left > 30 ? left : 30)) --adapters 5 2000
+  headline headline $(time_left 580) --adapters 5 2000
   stamp "headline n = 5, 2000" $?
   rm -rf "$W/work"
   {
@@ -265,8 +266,7 @@ fuse)
   PYTHONPATH=$ROOT timeout 100 python3 -m perf.bench_decode_step --rope-kv fused,torch --adapters 0,64 --profile \
     --out "$W/step_profile" > "$W/step_profile.txt" 2>&1
   stamp "decode step profiles" $?
-  left=$((575 - ($(date +%s) - T0)))
-  PYTHONPATH=$ROOT timeout $((left > 30 ? left : 30)) python3 perf/bench_kernels.py --sweep --sweep-only --rep-ms 5 \
+  PYTHONPATH=$ROOT timeout $(time_left 575) python3 perf/bench_kernels.py --sweep --sweep-only --rep-ms 5 \
     --out "$W/shrink_sweep.jsonl" > "$W/shrink_sweep.txt" 2>&1
   stamp "shrink sweep" $?
   {
@@ -284,8 +284,7 @@ fused)
   PYTHONPATH=$ROOT timeout 120 python3 -m perf.bench_decode_step --rope-kv fused,torch --out "$W/step" \
     > "$W/step.txt" 2>&1
   stamp "decode step: rope+kv fused / torch" $?
-  left=$((570 - ($(date +%s) - T0)))
-  headline headline $((left > 30 ? left : 30)) --adapters 5 100 1000 2000
+  headline headline $(time_left) --adapters 5 100 1000 2000
   stamp "headline" $?
   rm -rf "$W/work"
   {
@@ -303,8 +302,7 @@ gemm)
     --out "$W/step" > "$W/step.txt" 2>&1
   stamp "decode step: base GEMMs torch / triton" $?
   # the sweep last, in the time left (18_gemm swept 64 rows of q/k/v and o): each record is printed as it is done
-  left=$((570 - ($(date +%s) - T0)))
-  PYTHONPATH=$ROOT timeout $((left > 30 ? left : 30)) python3 -m perf.bench_gemm --rows 16,128 \
+  PYTHONPATH=$ROOT timeout $(time_left) python3 -m perf.bench_gemm --rows 16,128 \
     --shapes qkv,o,down,gate_up --sweep --rep-ms 3 --out "$W/gemm_sweep.jsonl" > "$W/gemm_sweep.txt" 2>&1
   stamp "GEMM sweep" $?
   {
@@ -324,8 +322,7 @@ defer)
   PYTHONPATH=$ROOT timeout 160 python3 -m perf.bench_decode_step --defer-expand on,off --profile --out "$W/step" \
     > "$W/step.txt" 2>&1
   stamp "decode step: deferred expand on / off" $?
-  left=$((570 - ($(date +%s) - T0)))
-  headline headline $((left > 30 ? left : 30)) --adapters 5 100 1000 2000
+  headline headline $(time_left) --adapters 5 100 1000 2000
   stamp "headline" $?
   rm -rf "$W/work"
   {
@@ -387,8 +384,7 @@ headline)
     --prefill-attention "${PREFILL:-sdpa}"
   stamp "headline" $?
   rm -rf "$W/work"
-  left=$((560 - ($(date +%s) - T0)))
-  PYTHONPATH=$ROOT timeout $((left > 30 ? left : 30)) python3 -m perf.profile_engine --shape llama3-8b \
+  PYTHONPATH=$ROOT timeout $(time_left 560) python3 -m perf.profile_engine --shape llama3-8b \
     --rate 24 --duration 12 --drain 15 --max-num-seqs 128 --admit-every-steps 4 --adapters 5 2000 \
     --decode-lora-kernels "${DECODE_LORA:-bgmv}" --python-profile --out "$W/profile" > "$W/profile.txt" 2>&1
   stamp "profile" $?
@@ -405,8 +401,7 @@ mixed)
     tests/kernels/test_step_graphs.py tests/kernels/test_engine_kernels.py -k "not sgmv and not hybrid"
   headline headline 230 --adapters 5 100 1000 2000
   stamp "headline (mixed-step graphs)" $?
-  left=$((575 - ($(date +%s) - T0)))
-  headline headline_eager $((left > 30 ? left : 30)) --adapters 5 2000 --no-mixed-step-graphs
+  headline headline_eager $(time_left 575) --adapters 5 2000 --no-mixed-step-graphs
   stamp "headline (eager mixed steps)" $?
   rm -rf "$W/work"
   {
@@ -424,8 +419,7 @@ final)
   stamp "server latency" $?
   headline headline 220 --adapters 5 100 1000 2000
   stamp "headline" $?
-  left=$((575 - ($(date +%s) - T0)))
-  headline headline_procs $((left > 30 ? left : 30)) --adapters 5 2000 --adapter-load-processes "${LOAD_PROCESSES:-8}"
+  headline headline_procs $(time_left 575) --adapters 5 2000 --adapter-load-processes "${LOAD_PROCESSES:-8}"
   stamp "headline (${LOAD_PROCESSES:-8} loader processes)" $?
   rm -rf "$W/work"
   {
@@ -446,9 +440,8 @@ profile)
     --max-num-seqs 128 --admit-every-steps 4 --adapters 2000 --python-profile --trace-steps 3 \
     --out "$W/cprofile" > "$W/cprofile.txt" 2>&1
   stamp "profile cProfile + trace" $?
-  left=$((560 - ($(date +%s) - T0)))
   EXTRA_PARAMS=${EXTRA_PARAMS:-} PERF_ANALYZER=0 SATURATION=${SATURATION:-15} DURATION=${DURATION:-10} \
-    timeout $((left > 60 ? left : 60)) bash perf/h200/server_latency.sh "$W/server" > "$W/server_latency.txt" 2>&1
+    timeout $(time_left 560 60) bash perf/h200/server_latency.sh "$W/server" > "$W/server_latency.txt" 2>&1
   stamp "server latency" $?
   {
     cat "$W/gpu.txt" "$W/times.txt"
