@@ -262,9 +262,10 @@ def main() -> None:
                               [b % n for b in range(args.batch)] if n else [-1] * args.batch, resident[:n])
         return lambda: graphs.run(inputs)
 
-    # rounds over all variants in turn, so that a drift of the GPU (clocks, heat) over the run falls on every
-    # variant alike: timed one variant after the other, the base-only graphs of two variants (the same kernels)
-    # took 6.36 ms in the first and 6.86 ms in the second (perf/results/2026-12-02-h200/20_defer)
+    # rounds over all variants in turn, so that whatever drifts over the run falls on every variant alike: timed
+    # one variant after the other, each adapter count profiled right after its timing, the base-only graphs of two
+    # variants (the same kernels) took 6.36 ms in the first and 6.86 ms in the second (2026-12-02-h200/20_defer;
+    # clocks, heat or the profiler sessions between them, not told apart). Profiles now come after all timings.
     times: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.rounds):
         for _, label, graphs in captured:
