@@ -60,6 +60,10 @@ SIDE_STREAM = os.environ.get("MANYLORA_LORA_SIDE_STREAM", "1").strip().lower() n
 # ... and, where the projection's consumer can add it, its expand too (LoraDelta); MANYLORA_LORA_DEFER_EXPAND=0 keeps
 # every expand in place after its GEMM (perf/bench_decode_step.py --defer-expand times both)
 DEFER_EXPAND = os.environ.get("MANYLORA_LORA_DEFER_EXPAND", "1").strip().lower() not in ("0", "false", "off", "no")
+# The deferred term's fp32 buffer stays under this: decode steps (up to 292 tokens for Llama-3-8B's gate/up, 28,672
+# columns) and small mixed steps defer; a mixed step of thousands of tokens would take GBs beside the pool
+# (sizing.GPU_MARGIN_BYTES is all the room the largest step's activations have) and adds in place instead.
+DEFER_EXPAND_MAX_BYTES = 32 << 20
 
 
 @dataclass
@@ -317,10 +321,13 @@ class LoraBatch:
         launch, args = self._expand_launch(pending, out, widths, overwrite=False)
         launch.launch(*args)
 
-    def defers_expand(self, x: torch.Tensor) -> bool:
-        """Whether a projection of input x may take ``expand_deferred``: the kernel path's BGMV expand (the only form
-        with an overwrite mode), inside a capture with the side stream unless ``defer_expand`` says otherwise."""
+    def defers_expand(self, x: torch.Tensor, widths: tuple[int, ...]) -> bool:
+        """Whether a projection of input x and output widths may take ``expand_deferred``: the kernel path's BGMV
+        expand (the only form with an overwrite mode) into at most DEFER_EXPAND_MAX_BYTES, inside a capture with the
+        side stream unless ``defer_expand`` says otherwise."""
         if not self.use_kernels or self.segments is not None:
+            return False
+        if x.shape[0] * sum(widths) * 4 > DEFER_EXPAND_MAX_BYTES:
             return False
         if self.defer_expand is not None:
             return self.defer_expand

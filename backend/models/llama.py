@@ -224,7 +224,7 @@ class LlamaModel:
             lora.apply(x, out, i, modules, widths)
             return out, None
         pending = lora.shrink(x, i, modules)
-        if defer and lora.defers_expand(x):
+        if defer and lora.defers_expand(x, widths):
             term = lora.expand_deferred(pending, widths)
             return self._linear(x, weight, bias), term
         out = self._linear(x, weight, bias)

@@ -39,6 +39,45 @@ def test_lora_batch_shrink_scratch(device):
             torch.testing.assert_close(out.cpu(), base + delta, **TOL)
 
 
+def test_lora_batch_deferred_expand(device, monkeypatch):
+    """``expand_deferred``: the LoRA term alone in a new fp32 buffer (zero for base-only tokens), which added to the
+    base output gives what the in-place expand gives; deferred only on the BGMV path and under the buffer cap."""
+    import backend.lora_batch as lora_batch
+    from backend.lora_batch import LoraBatch
+
+    case = make_case(seed_of("deferred"), 13, 72, [40, 24], "some_none", device, align=4)
+    (ns, num_slots, max_rank) = case.a_row_offsets.shape
+    row_offsets = torch.full((1, 7, 2, num_slots, max_rank), -1, dtype=torch.int64, device=device)
+    ranks = torch.zeros((1, 7, num_slots), dtype=torch.int32, device=device)
+    scalings = torch.zeros((1, 7, num_slots), dtype=torch.float32, device=device)
+    row_offsets[0, :ns, 0], row_offsets[0, :ns, 1] = case.a_row_offsets, case.b_row_offsets
+    ranks[0, :ns], scalings[0, :ns] = case.ranks, case.scalings
+    lora = LoraBatch.from_tables(case.token_slots, row_offsets, ranks, scalings, case.pool)
+    modules, widths = ("q_proj", "k_proj"), (40, 24)
+    assert not lora.defers_expand(case.x, widths), "eager, outside a capture: in place"
+    lora.defer_expand = True
+    assert lora.defers_expand(case.x, widths)
+    monkeypatch.setattr(lora_batch, "DEFER_EXPAND_MAX_BYTES", 13 * 64 * 4 - 1)
+    assert not lora.defers_expand(case.x, widths), "over the buffer cap: in place"
+    monkeypatch.undo()
+    base = torch.randn(13, 64, generator=case.gen)
+    lora.begin_forward(13)
+    term = lora.expand_deferred(lora.shrink(case.x, 0, modules), widths)
+    assert term.values.dtype == torch.float32 and term.values.shape == (13, 64)
+    in_place = base.to(device, copy=True)
+    lora.begin_forward(13)
+    lora.apply(case.x, in_place, 0, modules, widths)
+    got = base.to(device, copy=True)
+    torch.testing.assert_close(term.add_into(got).cpu(), in_place.cpu(), rtol=1e-6, atol=1e-5)
+    assert (term.values.cpu()[case.token_slots.cpu() < 0] == 0).all()
+    _, delta = dense_lora(case)
+    torch.testing.assert_close(got.cpu(), base + delta, **TOL)
+    segmented = LoraBatch.from_tables(case.token_slots, row_offsets, ranks, scalings, case.pool, decode_form="sgmv")
+    segmented.defer_expand = True
+    segmented.begin_forward(13)
+    assert not segmented.defers_expand(case.x, widths), "the segmented expand has no overwrite form"
+
+
 @pytest.mark.parametrize("decode_form", ["sgmv", "hybrid"])
 def test_lora_batch_device_segments(device, decode_form):
     """A graph-mode LoraBatch whose kernels take segments (the decode step's "sgmv" kernels, or "hybrid": the
