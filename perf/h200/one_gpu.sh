@@ -37,6 +37,9 @@
 #                                            # process, profiled), the headline with it                   ~9 min
 #   bash perf/h200/one_gpu.sh defer_ab $OUT  # the deferred expand A/B: decode step on / off in interleaved rounds,
 #                                            # the headline at n = 5, 100 with it off, on, then off again ~8 min
+#   bash perf/h200/one_gpu.sh rounds $OUT    # the older one-process A/Bs re-timed in interleaved rounds (timed one
+#                                            # after the other they were not established): LoRA side stream on /
+#                                            # off, RoPE + KV write fused / torch, base GEMMs torch / triton ~7 min
 #   bash perf/h200/one_gpu.sh sanitize $OUT  # compute-sanitizer memcheck over the compiled tests of the segmented
 #                                            # decode forms (kernels with device-built tables, no caching
 #                                            # allocator; the engine's graph replay) and of the split-K GEMM;
@@ -45,7 +48,7 @@
 #                                            # concurrency 16 and request rates PA_RATES                    ~8 min
 # DECODE_LORA (bgmv|sgmv) and PREFILL (sdpa|paged) pick the engine's kernels in the headline part.
 set -u
-PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, defer_ab, sanitize, headline, mixed, final, profile or server}
+PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, defer_ab, rounds, sanitize, headline, mixed, final, profile or server}
 OUT=${2:-/tmp/h200}
 ROOT=$PWD
 BASE=${BASE:-$ROOT/.baseline_s9}
@@ -351,6 +354,20 @@ defer_ab)
     echo "== decode step"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$W/step.txt" | cut -c1-200
     for h in headline_off headline_on headline_off2; do [ -f "$W/$h/summary.md" ] && headline_lines "$h"; done
   } > "$OUT/defer_ab.txt" 2>&1
+  ;;
+rounds)
+  for ab in "lora-side-stream on,off" "rope-kv fused,torch" "base-gemm torch,triton"; do
+    read -r flag values <<< "$ab"
+    PYTHONPATH=$ROOT timeout 150 python3 -m perf.bench_decode_step "--$flag" "$values" --rounds 3 \
+      --out "$W/step_$flag" > "$W/step_$flag.txt" 2>&1
+    stamp "decode step: --$flag $values, 3 rounds" $?
+  done
+  {
+    summary_head
+    for f in "$W"/step_*.txt; do
+      echo "== $(basename "$f" .txt)"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$f" | cut -c1-200
+    done
+  } > "$OUT/rounds.txt" 2>&1
   ;;
 sanitize)
   # the segmented decode forms' illegal memory access (their compiled engine tests, 2026-11-30): where it is.
