@@ -210,8 +210,8 @@ _BOUNDS_CACHE: dict[tuple, torch.Tensor] = {}
 
 def _slice_bounds(
     slice_offsets: Sequence[int] | torch.Tensor, num_slices: int, total_cols: int, device: torch.device
-) -> tuple[torch.Tensor, int]:
-    """Device int32 [num_slices + 1] slice boundaries and the widest slice (host int)."""
+) -> tuple[torch.Tensor, int, tuple[int, int]]:
+    """Device int32 [num_slices + 1] slice boundaries, the widest slice and (first, last) boundary (host ints)."""
     if isinstance(slice_offsets, torch.Tensor):
         check_tensor("slice_offsets", slice_offsets, dtype=(torch.int32, torch.int64), dims=1)
         bounds = [int(v) for v in slice_offsets.tolist()]  # host read: pass a list to avoid a sync
@@ -233,14 +233,14 @@ def _slice_bounds(
         and slice_offsets.dtype == torch.int32
         and slice_offsets.numel() == num_slices + 1
     ):
-        return slice_offsets.contiguous(), widest
+        return slice_offsets.contiguous(), widest, (bounds[0], bounds[-1])
     key = (tuple(bounds), device)
     cached = _BOUNDS_CACHE.get(key)
     if cached is None:  # a host-to-device copy: done once per distinct layout
         if len(_BOUNDS_CACHE) >= 256:
             _BOUNDS_CACHE.clear()
         cached = _BOUNDS_CACHE[key] = torch.tensor(bounds, dtype=torch.int32, device=device)
-    return cached, widest
+    return cached, widest, (bounds[0], bounds[-1])
 
 
 @dataclass(frozen=True)
@@ -255,11 +255,14 @@ class ExpandLaunch:
     segments: SegmentMeta | None = None
     tiles: torch.Tensor | None = None
     relaunch: Relauncher | None = None  # the kernel with ``meta``: launches after the first skip Triton's dispatch
+    zero_columns: tuple[int, int] | None = None  # overwrite with nothing to launch (no rank, no slot): these go to 0
 
     def launch(self, y: torch.Tensor, pool: torch.Tensor, b_row_offsets: torch.Tensor, ranks: torch.Tensor,
                scalings: torch.Tensor, token_slots: torch.Tensor, base_out: torch.Tensor) -> torch.Tensor:
         """``lora_expand``'s semantics for these tensors (shaped as the prepared ones); returns ``base_out``."""
         if not self.grid:
+            if self.zero_columns is not None:
+                base_out[:, self.zero_columns[0]:self.zero_columns[1]].zero_()
             return base_out
         if self.single:
             y, b_row_offsets = y.unsqueeze(0), b_row_offsets.unsqueeze(0)
@@ -316,8 +319,9 @@ def lora_expand(
 
     Accumulation is fp32; each output element is read, added to and written once (cast to the
     dtype of ``base_out`` once). With ``overwrite`` (BGMV only) ``+=`` becomes ``=`` and the row of a slot -1
-    token is set to 0 in every slice (columns outside the slices stay untouched): ``base_out`` then holds the LoRA
-    term alone, typically an fp32 buffer a later kernel adds. Only y[i, t, :rank] is read, so y's columns past the
+    token is set to 0 in every slice (columns outside the slices stay untouched; with no slot or no rank at all the
+    slices are zeroed without a launch): ``base_out`` then holds the LoRA term alone, typically an fp32 buffer a later
+    kernel adds. Only y[i, t, :rank] is read, so y's columns past the
     rank and rows of slot -1 tokens may hold anything. The rank loop stops at each slot's rank.
 
     Args:
@@ -389,8 +393,8 @@ def prepare_expand(
         raise ValueError(f"base_out must have {num_tokens} rows (tokens of y), got shape {tuple(base_out.shape)}")
     if slice_offsets is None:
         slice_offsets = [0, base_out.shape[1]]
-    bounds, max_out = _slice_bounds(slice_offsets, num_slices, base_out.shape[1], device)
-    nothing = ExpandLaunch((), {}, bounds, single)
+    bounds, max_out, columns = _slice_bounds(slice_offsets, num_slices, base_out.shape[1], device)
+    nothing = ExpandLaunch((), {}, bounds, single, zero_columns=columns if overwrite else None)
     if num_tokens == 0 or max_rank == 0 or num_slots == 0 or max_out == 0:
         return nothing
     align = {"ROW_ALIGN": 16 // pool.element_size(),

@@ -408,6 +408,19 @@ def test_empty_batch(device):
     lora_expand(out, case.pool, case.b_row_offsets, case.ranks, case.scalings, case.token_slots[:0], base, [0, 32])
 
 
+def test_expand_overwrite_with_nothing_to_launch_zeroes_its_slices(device):
+    """The overwrite form where no adapter slot exists (or no rank) launches nothing, yet its output is the LoRA term:
+    zero in the slices' columns, the columns outside them untouched."""
+    y = torch.zeros((1, 5, 0), dtype=torch.float32, device=device)  # max_rank 0
+    pool = torch.zeros(16, device=device)
+    out = torch.full((5, 12), float("nan"), device=device)
+    lora_expand(y, pool, torch.zeros((1, 2, 0), dtype=torch.int64, device=device),
+                torch.ones((1, 2), dtype=torch.int32, device=device), torch.ones((1, 2), device=device),
+                torch.zeros(5, dtype=torch.int32, device=device), out, [2, 10], overwrite=True)  # fmt: skip
+    out = out.cpu()
+    assert (out[:, 2:10] == 0).all() and out[:, :2].isnan().all() and out[:, 10:].isnan().all()
+
+
 # ---------------------------------------------------------------------------------------------
 # metadata and argument checks
 # ---------------------------------------------------------------------------------------------
