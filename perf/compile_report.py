@@ -196,9 +196,10 @@ MODULES = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (
            "down": (14336, (4096,))}  # fmt: skip
 
 
-def lora_launches(num_tokens: int, distinct: int, rank: int, segmented: bool | str) -> None:
+def lora_launches(num_tokens: int, distinct: int, rank: int, segmented: bool | str, deferred: bool = False) -> None:
     """``lora_shrink`` + ``lora_expand`` over every Llama-3-8B projection group (bf16 pool, rows on 16 bytes).
-    segmented: False (BGMV), True (segments built on the host) or "device" (``build_segments_on_device``)."""
+    segmented: False (BGMV), True (segments built on the host) or "device" (``build_segments_on_device``);
+    deferred (BGMV): the expand's overwrite form into an fp32 buffer, as a captured decode step defers it."""
     import torch
 
     from kernels.lora_expand import lora_expand
@@ -224,12 +225,12 @@ def lora_launches(num_tokens: int, distinct: int, rank: int, segmented: bool | s
         scalings = torch.full((ns, distinct), 0.5)
         x = torch.empty(num_tokens, in_f, dtype=torch.bfloat16)
         y = torch.zeros(ns, num_tokens, rank)
-        base = torch.empty(num_tokens, sum(widths), dtype=torch.bfloat16)
+        base = torch.empty(num_tokens, sum(widths), dtype=torch.float32 if deferred else torch.bfloat16)
         bounds = [0]
         for w in widths:
             bounds.append(bounds[-1] + w)
         lora_shrink(x, pool, a_offs, ranks, slots, y, segments=segments)
-        lora_expand(y, pool, b_offs, ranks, scalings, slots, base, bounds, segments=segments)
+        lora_expand(y, pool, b_offs, ranks, scalings, slots, base, bounds, segments=segments, overwrite=deferred)
 
 
 def moe_pair_launches(tokens: int = 64, distinct: int = 8, rank: int = 16) -> None:
@@ -259,7 +260,7 @@ def moe_pair_launches(tokens: int = 64, distinct: int = 8, rank: int = 16) -> No
 
 def other_launches(batch: int = 64, seq: int = 1024) -> None:
     """Paged decode attention (32 q / 8 kv heads, d 128, page 16), add+RMSNorm, silu*mul and RoPE + KV write at the
-    8B shapes."""
+    8B shapes; the last three also with a deferred LoRA term (``lora_delta``) to add."""
     import torch
 
     from kernels.add_rms_norm import add_rms_norm
@@ -276,13 +277,20 @@ def other_launches(batch: int = 64, seq: int = 1024) -> None:
     paged_decode_attention(q, pool, tables, lens, d**-0.5, torch.empty_like(q), layer=5, num_layers=num_layers,
                            page_size=page, num_kv_heads=nkv)  # fmt: skip
     hidden = torch.empty(batch, 4096, dtype=torch.bfloat16)
-    add_rms_norm(hidden, torch.empty_like(hidden), torch.empty(4096, dtype=torch.bfloat16), 1e-5)
-    silu_mul(torch.empty(batch, 2 * 14336, dtype=torch.bfloat16))
     qkv = torch.empty(batch, (32 + 2 * nkv) * d, dtype=torch.bfloat16)
     cos = torch.empty(seq, d, dtype=torch.bfloat16)
-    rope_kv_write(qkv[:, : 40 * d].view(batch, 40, d), qkv[:, 40 * d:].view(batch, nkv, d),
-                  torch.zeros(batch, dtype=torch.int64), cos, torch.empty_like(cos),
-                  pool.view(-1, num_layers, 2, page, nkv, d), 5, torch.arange(batch, dtype=torch.int64), 32)
+    for deferred in (False, True):
+        def term(t: torch.Tensor, deferred: bool = deferred) -> torch.Tensor | None:
+            return torch.empty(t.shape, dtype=torch.float32) if deferred else None
+
+        add_rms_norm(hidden, torch.empty_like(hidden), torch.empty(4096, dtype=torch.bfloat16), 1e-5,
+                     lora_delta=term(hidden))
+        gate_up = torch.empty(batch, 2 * 14336, dtype=torch.bfloat16)
+        silu_mul(gate_up, term(gate_up))
+        rope_kv_write(qkv[:, : 40 * d].view(batch, 40, d), qkv[:, 40 * d:].view(batch, nkv, d),
+                      torch.zeros(batch, dtype=torch.int64), cos, torch.empty_like(cos),
+                      pool.view(-1, num_layers, 2, page, nkv, d), 5, torch.arange(batch, dtype=torch.int64), 32,
+                      lora_delta=term(qkv))
 
 
 def gemm_launches(rows: int = 64, dtype: str = "bfloat16") -> None:

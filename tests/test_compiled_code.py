@@ -26,6 +26,7 @@ import perf.compile_report as cr
 
 with cr.compile_only() as reports:
     cr.lora_launches(64, 16, 16, segmented=False)
+    cr.lora_launches(64, 16, 16, segmented=False, deferred=True)   # the expand beside the GEMM: overwrite, fp32
     cr.lora_launches(1024, 16, 16, segmented=True)
     cr.lora_launches(64, 16, 16, segmented="device")   # the decode step with decode_lora_kernels="sgmv"
     cr.lora_launches(33, 5, 8, segmented=False)   # odd batch, rank 8
@@ -78,6 +79,14 @@ def test_kernels_read_global_memory_16_bytes_at_a_time(compiled):
             assert _widest_read(report) < 128, (report["name"], report["constexprs"], report["loads"])
             continue
         assert _widest_read(report) == 128, (report["name"], report["constexprs"], report["loads"])
+
+
+def test_the_deferred_forms_were_compiled(compiled):
+    """The expand's overwrite form and the consumers that add its term (``lora_delta``) are among the kernels the
+    checks above cover."""
+    kinds = {(r["name"], bool(r["constexprs"].get("OVERWRITE", r["constexprs"].get("HAS_LORA")))) for r in compiled}
+    assert {("_lora_expand_bgmv_kernel", True), ("_add_rms_norm_kernel", True), ("_silu_mul_kernel", True),
+            ("_rope_kv_write_kernel", True), ("_lora_expand_bgmv_kernel", False)} <= kinds
 
 
 def test_every_kernel_fits_the_h200_shared_memory(compiled):
