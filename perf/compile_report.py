@@ -279,18 +279,20 @@ def other_launches(batch: int = 64, seq: int = 1024) -> None:
     hidden = torch.empty(batch, 4096, dtype=torch.bfloat16)
     qkv = torch.empty(batch, (32 + 2 * nkv) * d, dtype=torch.bfloat16)
     cos = torch.empty(seq, d, dtype=torch.bfloat16)
-    for deferred in (False, True):
-        def term(t: torch.Tensor, deferred: bool = deferred) -> torch.Tensor | None:
-            return torch.empty(t.shape, dtype=torch.float32) if deferred else None
+    gate_up = torch.empty(batch, 2 * 14336, dtype=torch.bfloat16)
 
+    def term(t: torch.Tensor, deferred: bool) -> torch.Tensor | None:
+        """The fp32 LoRA term of output t, or none."""
+        return torch.empty(t.shape, dtype=torch.float32) if deferred else None
+
+    for deferred in (False, True):
         add_rms_norm(hidden, torch.empty_like(hidden), torch.empty(4096, dtype=torch.bfloat16), 1e-5,
-                     lora_delta=term(hidden))
-        gate_up = torch.empty(batch, 2 * 14336, dtype=torch.bfloat16)
-        silu_mul(gate_up, term(gate_up))
+                     lora_delta=term(hidden, deferred))
+        silu_mul(gate_up, term(gate_up, deferred))
         rope_kv_write(qkv[:, : 40 * d].view(batch, 40, d), qkv[:, 40 * d:].view(batch, nkv, d),
                       torch.zeros(batch, dtype=torch.int64), cos, torch.empty_like(cos),
                       pool.view(-1, num_layers, 2, page, nkv, d), 5, torch.arange(batch, dtype=torch.int64), 32,
-                      lora_delta=term(qkv))
+                      lora_delta=term(qkv, deferred))
 
 
 def gemm_launches(rows: int = 64, dtype: str = "bfloat16") -> None:

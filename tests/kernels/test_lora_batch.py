@@ -12,6 +12,18 @@ import torch  # noqa: E402
 from lora_cases import TOL, dense_lora, make_case, seed_of, token_slots_for  # noqa: E402
 
 
+def step_tables(case, num_layers: int, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step's [layers, 7, ...] offset / rank / scaling tables with the case's slices as q_proj, k_proj (...) of
+    every layer and the other projections empty, as ``LoraBatch.from_tables`` takes them."""
+    ns, num_slots, max_rank = case.a_row_offsets.shape
+    row_offsets = torch.full((num_layers, 7, 2, num_slots, max_rank), -1, dtype=torch.int64, device=device)
+    ranks = torch.zeros((num_layers, 7, num_slots), dtype=torch.int32, device=device)
+    scalings = torch.zeros((num_layers, 7, num_slots), dtype=torch.float32, device=device)
+    row_offsets[:, :ns, 0], row_offsets[:, :ns, 1] = case.a_row_offsets, case.b_row_offsets
+    ranks[:, :ns], scalings[:, :ns] = case.ranks, case.scalings
+    return row_offsets, ranks, scalings
+
+
 def test_lora_batch_shrink_scratch(device):
     """LoraBatch's kernel path: the shrink outputs of a forward share one buffer zeroed by begin_forward (the
     split-K partial sums add into it), and a second forward over the same batch (a CUDA graph replay) starts
@@ -21,12 +33,8 @@ def test_lora_batch_shrink_scratch(device):
 
     case = make_case(seed_of("scratch"), 17, 130, [40, 24], "some_none", device)
     assert shrink_config(17, 130, 16, segmented=False, num_slices=2)["SPLIT_K"] > 1, "the K splits add atomically"
-    num_layers, (ns, num_slots, max_rank) = 2, case.a_row_offsets.shape
-    row_offsets = torch.full((num_layers, 7, 2, num_slots, max_rank), -1, dtype=torch.int64, device=device)
-    ranks = torch.zeros((num_layers, 7, num_slots), dtype=torch.int32, device=device)
-    scalings = torch.zeros((num_layers, 7, num_slots), dtype=torch.float32, device=device)
-    row_offsets[:, :ns, 0], row_offsets[:, :ns, 1] = case.a_row_offsets, case.b_row_offsets  # q_proj, k_proj
-    ranks[:, :ns], scalings[:, :ns] = case.ranks, case.scalings
+    num_layers = 2
+    row_offsets, ranks, scalings = step_tables(case, num_layers, device)
     lora = LoraBatch.from_tables(case.token_slots, row_offsets, ranks, scalings, case.pool)
     _, delta = dense_lora(case)
     base = torch.randn(17, 64, generator=case.gen)
@@ -46,12 +54,7 @@ def test_lora_batch_deferred_expand(device, monkeypatch):
     from backend.lora_batch import LoraBatch
 
     case = make_case(seed_of("deferred"), 13, 72, [40, 24], "some_none", device, align=4)
-    (ns, num_slots, max_rank) = case.a_row_offsets.shape
-    row_offsets = torch.full((1, 7, 2, num_slots, max_rank), -1, dtype=torch.int64, device=device)
-    ranks = torch.zeros((1, 7, num_slots), dtype=torch.int32, device=device)
-    scalings = torch.zeros((1, 7, num_slots), dtype=torch.float32, device=device)
-    row_offsets[0, :ns, 0], row_offsets[0, :ns, 1] = case.a_row_offsets, case.b_row_offsets
-    ranks[0, :ns], scalings[0, :ns] = case.ranks, case.scalings
+    row_offsets, ranks, scalings = step_tables(case, 1, device)
     lora = LoraBatch.from_tables(case.token_slots, row_offsets, ranks, scalings, case.pool)
     modules, widths = ("q_proj", "k_proj"), (40, 24)
     assert not lora.defers_expand(case.x, widths), "eager, outside a capture: in place"
@@ -88,12 +91,8 @@ def test_lora_batch_device_segments(device, decode_form):
     from backend.lora_batch import LoraBatch
 
     case = make_case(seed_of("device-segments"), 21, 136, [40, 24], "some_none", device)
-    num_layers, (ns, num_slots, max_rank) = 2, case.a_row_offsets.shape
-    row_offsets = torch.full((num_layers, 7, 2, num_slots, max_rank), -1, dtype=torch.int64, device=device)
-    ranks = torch.zeros((num_layers, 7, num_slots), dtype=torch.int32, device=device)
-    scalings = torch.zeros((num_layers, 7, num_slots), dtype=torch.float32, device=device)
-    row_offsets[:, :ns, 0], row_offsets[:, :ns, 1] = case.a_row_offsets, case.b_row_offsets
-    ranks[:, :ns], scalings[:, :ns] = case.ranks, case.scalings
+    num_layers = 2
+    row_offsets, ranks, scalings = step_tables(case, num_layers, device)
     token_slots = case.token_slots.clone()
     lora = LoraBatch.from_tables(token_slots, row_offsets, ranks, scalings, case.pool, decode_form=decode_form)
     base = torch.randn(21, 64, generator=case.gen)
