@@ -34,6 +34,7 @@ from backend.model_config import PROJECTIONS, ModelConfig
 from backend.models.llama import LlamaModel, weight_names
 from backend.unified_pool import UnifiedPool
 from perf.shapes import SHAPES
+from perf.stream_timeline import KernelEvent, format_split, kernel_events, split_step_time
 
 
 def random_model(cfg: ModelConfig, max_len: int, device: str, dtype: torch.dtype) -> LlamaModel:
@@ -124,8 +125,9 @@ def time_ms(fn, iters: int) -> float:
 
 def profile_kernels(fn, label: str, out_dir: Path, replays: int = 5,
                     file_name: str = "decode_step_kernels.txt") -> None:
-    """Print (and append to out_dir/file_name) the kernels of ``replays`` calls of fn by GPU time,
-    per step: what the step's time is made of."""
+    """Print (and append to out_dir/file_name) the kernels of ``replays`` calls of fn by GPU time, per step, and
+    how the step's wall time splits between its stream, waits for the LoRA side stream and gaps
+    (``perf/stream_timeline.py``): what the step's time is made of."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -141,11 +143,25 @@ def profile_kernels(fn, label: str, out_dir: Path, replays: int = 5,
     for e in rows[:20]:
         lines.append(f"  {e.self_device_time_total / replays / 1e3:7.3f} ms  {e.count // replays:5d} x "
                      f"{e.self_device_time_total / max(1, e.count):7.2f} us  {e.key[:90]}")
+    try:
+        lines.append(format_split(split_step_time(_trace_events(prof, out_dir), replays)))
+    except Exception as exc:  # the kernel list above must not be lost to the trace's export or parsing
+        lines.append(f"   per step: no stream split ({exc!r})")
     text = "\n".join(lines)
     print(text, flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / file_name, "a") as f:
         f.write(text + "\n")
+
+
+def _trace_events(prof, out_dir: Path) -> list[KernelEvent]:
+    """The profiled GPU activities, through the chrome trace (the one export that names each kernel's stream)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "decode_step_trace.json"
+    prof.export_chrome_trace(str(path))
+    events = kernel_events(json.loads(path.read_text()))
+    path.unlink()  # megabytes per profile; the split printed from it is what is kept
+    return events
 
 
 def main() -> None:

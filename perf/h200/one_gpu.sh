@@ -40,6 +40,9 @@
 #   bash perf/h200/one_gpu.sh rounds $OUT    # the older one-process A/Bs re-timed in interleaved rounds (timed one
 #                                            # after the other they were not established): LoRA side stream on /
 #                                            # off, RoPE + KV write fused / torch, base GEMMs torch / triton ~7 min
+#   bash perf/h200/one_gpu.sh timeline $OUT  # the decode step's time across its streams (step stream busy / waiting
+#                                            # for the LoRA side stream / idle) per variant: side stream x deferred
+#                                            # expand, base GEMMs torch / triton; 3 rounds each, profiled   ~6 min
 #   bash perf/h200/one_gpu.sh sanitize $OUT  # compute-sanitizer memcheck over the compiled tests of the segmented
 #                                            # decode forms (kernels with device-built tables, no caching
 #                                            # allocator; the engine's graph replay) and of the split-K GEMM;
@@ -48,7 +51,7 @@
 #                                            # concurrency 16 and request rates PA_RATES                    ~8 min
 # DECODE_LORA (bgmv|sgmv) and PREFILL (sdpa|paged) pick the engine's kernels in the headline part.
 set -u
-PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, defer_ab, rounds, sanitize, headline, mixed, final, profile or server}
+PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, defer_ab, rounds, timeline, sanitize, headline, mixed, final, profile or server}
 OUT=${2:-/tmp/h200}
 ROOT=$PWD
 BASE=${BASE:-$ROOT/.baseline_s9}
@@ -368,6 +371,24 @@ rounds)
       echo "== $(basename "$f" .txt)"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$f" | cut -c1-200
     done
   } > "$OUT/rounds.txt" 2>&1
+  ;;
+timeline)
+  # where the captured decode step's time goes across its streams (perf/stream_timeline.py, from each profile): step
+  # stream busy, waiting for the LoRA side stream only, nothing running; the side stream off twice (deferral needs
+  # it: the two are one graph, a drift check); then the base GEMMs torch / triton, profiled too
+  PYTHONPATH=$ROOT timeout 240 python3 -m perf.bench_decode_step --adapters 0,8,64 --lora-side-stream on,off \
+    --defer-expand on,off --rounds 3 --profile --out "$W/step_streams" > "$W/step_streams.txt" 2>&1
+  stamp "decode step: side stream on / off x deferred expand on / off, 3 rounds, profiled" $?
+  PYTHONPATH=$ROOT timeout "$(time_left 540 60)" python3 -m perf.bench_decode_step --adapters 0,8,64 \
+    --base-gemm torch,triton --rounds 3 --profile --out "$W/step_gemm" > "$W/step_gemm.txt" 2>&1
+  stamp "decode step: base GEMMs torch / triton, 3 rounds, profiled" $?
+  {
+    summary_head
+    for f in "$W"/step_streams.txt "$W"/step_gemm.txt; do
+      echo "== $(basename "$f" .txt)"
+      grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth|^-- |per step:|waited" "$f" | cut -c1-200
+    done
+  } > "$OUT/timeline.txt" 2>&1
   ;;
 sanitize)
   # the segmented decode forms' illegal memory access (their compiled engine tests, 2026-11-30): where it is.
