@@ -1,16 +1,18 @@
-"""Where a captured step's time goes across its CUDA streams, from a profiler trace of its kernels.
+"""Where a captured step's time goes, from a profiler trace of its kernels: base work, LoRA work alone, nothing.
 
 The per-kernel totals of ``bench_decode_step --profile`` say what ran, not what the step waited on: with the LoRA
-work on a side stream, a kernel's time beside a GEMM costs nothing unless the step's stream ends up waiting for it.
-``split_step_time`` cuts the wall time of a trace into
+work on a side stream, a kernel's time beside a GEMM costs nothing unless the rest of the step ends up waiting for
+it. ``split_step_time`` cuts the wall time of a trace into
 
-* ``main_ms``: the step's own stream is running a kernel (whatever the side stream does meanwhile);
-* ``side_only_ms``: only the side stream runs: the step's stream waits for the LoRA work (the critical path's cost
-  of the side stream);
+* ``main_ms``: some kernel of the base model's work (everything not named ``*lora*``) is running, whatever the LoRA
+  kernels do meanwhile;
+* ``side_only_ms``: only LoRA kernels run: the step waits for its LoRA work (the critical path's cost of it);
 * ``idle_ms``: no kernel runs at all: launch gaps between the graph's nodes and the host's copies between steps;
 
-and charges each wait for the side stream to the step-stream kernel that followed it (the consumer that waited:
-RMSNorm, silu * up, RoPE + KV write). The step's stream is the one with the most kernel time.
+and charges each LoRA-only stretch to the base-work kernel that followed it (the consumer that waited: RMSNorm,
+silu * up, RoPE + KV write). Kernels are told apart by name, not by stream: a CUDA graph maps its branches onto
+streams of its own, so the stream a trace names is not the one the kernel was captured on (on the H200 a graph's
+longest stream held both GEMMs and expands, 2026-12-02-h200/22_timeline).
 
     events = kernel_events(json.load(open("trace.json")))   # a torch.profiler chrome trace
     print(format_split(split_step_time(events, steps=5)))
@@ -19,9 +21,10 @@ RMSNorm, silu * up, RoPE + KV write). The step's stream is the one with the most
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["KernelEvent", "StepSplit", "format_split", "kernel_events", "split_step_time"]
+__all__ = ["KernelEvent", "StepSplit", "format_split", "is_lora_kernel", "kernel_events", "split_step_time"]
 
 _GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
 
@@ -38,16 +41,15 @@ class KernelEvent:
 
 @dataclass
 class StepSplit:
-    """A trace's wall time, per step, cut by what the streams were doing (see the module's docstring)."""
+    """A trace's wall time, per step, cut by what was running (see the module's docstring)."""
 
     steps: int
-    main_stream: int
     wall_ms: float
     main_ms: float
     side_only_ms: float
     idle_ms: float
-    side_kernel_ms: float  # the side streams' kernel time, overlapped or not
-    waits_ms: dict[str, float] = field(default_factory=dict)  # side-only time charged to the kernel that followed
+    side_kernel_ms: float  # the LoRA kernels' time, overlapped or not
+    waits_ms: dict[str, float] = field(default_factory=dict)  # LoRA-only time charged to the kernel that followed
 
 
 def kernel_events(trace: dict) -> list[KernelEvent]:
@@ -95,22 +97,26 @@ def _subtract(intervals: list[tuple[float, float]], cover: list[tuple[float, flo
     return out
 
 
-def split_step_time(events: list[KernelEvent], steps: int = 1) -> StepSplit:
-    """Cut the trace's span (first start to last end) into main / side-only / idle time, per step."""
+def is_lora_kernel(name: str) -> bool:
+    """Whether a kernel is LoRA work (the shrink / expand kernels of kernels/lora_*.py)."""
+    return "lora" in name.lower()
+
+
+def split_step_time(events: list[KernelEvent], steps: int = 1,
+                    is_side: Callable[[str], bool] = is_lora_kernel) -> StepSplit:
+    """Cut the trace's span (first start to last end) into main / side-only / idle time, per step; ``is_side``
+    names the side work (the LoRA kernels), everything else is the main work."""
     if not events:
         raise ValueError("the trace holds no GPU activity (did the profiler see the graph's kernels?)")
-    per_stream: dict[int, list[KernelEvent]] = defaultdict(list)
-    for e in events:
-        per_stream[e.stream].append(e)
-    main = max(per_stream, key=lambda s: sum(e.end_us - e.start_us for e in per_stream[s]))
-    main_busy = _union([(e.start_us, e.end_us) for e in per_stream[main]])
-    side_events = [e for s, es in per_stream.items() if s != main for e in es]
+    main_events = [e for e in events if not is_side(e.name)]
+    side_events = [e for e in events if is_side(e.name)]
+    main_busy = _union([(e.start_us, e.end_us) for e in main_events])
     side_busy = _union([(e.start_us, e.end_us) for e in side_events])
     span_start = min(e.start_us for e in events)
     span_end = max(e.end_us for e in events)
     side_only = _subtract(side_busy, main_busy)
-    # charge each side-only stretch to the step-stream kernel that starts next
-    followers = sorted(per_stream[main], key=lambda e: e.start_us)
+    # charge each side-only stretch to the main-work kernel that starts next
+    followers = sorted(main_events, key=lambda e: e.start_us)
     waits: dict[str, float] = defaultdict(float)
     j = 0
     for start, end in side_only:
@@ -123,7 +129,6 @@ def split_step_time(events: list[KernelEvent], steps: int = 1) -> StepSplit:
     per = 1e3 * max(1, steps)
     return StepSplit(
         steps=steps,
-        main_stream=main,
         wall_ms=wall / per,
         main_ms=_length(main_busy) / per,
         side_only_ms=_length(side_only) / per,
@@ -134,7 +139,7 @@ def split_step_time(events: list[KernelEvent], steps: int = 1) -> StepSplit:
 
 
 def format_split(split: StepSplit, top: int = 6) -> str:
-    """A few lines: the per-step split and the kernels that waited longest for the side stream."""
+    """A few lines: the per-step split and the kernels that waited longest for LoRA work."""
     lines = [
         f"   per step: {split.wall_ms:.3f} ms wall = {split.main_ms:.3f} step stream busy + "
         f"{split.side_only_ms:.3f} waiting for the side stream only + {split.idle_ms:.3f} no kernel running "

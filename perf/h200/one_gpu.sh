@@ -40,9 +40,9 @@
 #   bash perf/h200/one_gpu.sh rounds $OUT    # the older one-process A/Bs re-timed in interleaved rounds (timed one
 #                                            # after the other they were not established): LoRA side stream on /
 #                                            # off, RoPE + KV write fused / torch, base GEMMs torch / triton ~7 min
-#   bash perf/h200/one_gpu.sh timeline $OUT  # the decode step's time across its streams (step stream busy / waiting
-#                                            # for the LoRA side stream / idle) per variant: side stream x deferred
-#                                            # expand, base GEMMs torch / triton; 3 rounds each, profiled   ~6 min
+#   bash perf/h200/one_gpu.sh timeline $OUT  # where the decode step's time goes (base work running / LoRA kernels
+#                                            # alone / idle) per variant: side stream x deferred expand, base
+#                                            # GEMMs torch / triton; 3 rounds each, profiled               ~5 min
 #   bash perf/h200/one_gpu.sh sanitize $OUT  # compute-sanitizer memcheck over the compiled tests of the segmented
 #                                            # decode forms (kernels with device-built tables, no caching
 #                                            # allocator; the engine's graph replay) and of the split-K GEMM;
@@ -373,9 +373,9 @@ rounds)
   } > "$OUT/rounds.txt" 2>&1
   ;;
 timeline)
-  # where the captured decode step's time goes across its streams (perf/stream_timeline.py, from each profile): step
-  # stream busy, waiting for the LoRA side stream only, nothing running; the side stream off twice (deferral needs
-  # it: the two are one graph, a drift check); then the base GEMMs torch / triton, profiled too
+  # where the captured decode step's time goes (perf/stream_timeline.py, from each profile): base work running, LoRA
+  # kernels alone, nothing running; the side stream off twice (deferral needs it: the two are one graph, a drift
+  # check); then the base GEMMs torch / triton, profiled too
   PYTHONPATH=$ROOT timeout 240 python3 -m perf.bench_decode_step --adapters 0,8,64 --lora-side-stream on,off \
     --defer-expand on,off --rounds 3 --profile --out "$W/step_streams" > "$W/step_streams.txt" 2>&1
   stamp "decode step: side stream on / off x deferred expand on / off, 3 rounds, profiled" $?
