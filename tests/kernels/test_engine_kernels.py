@@ -71,21 +71,29 @@ def test_kernel_path_matches_peft(tmp_path, device, family, prefill_attention, f
         engine.shutdown()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_deferred_expand_matches_peft(tmp_path, device, family, monkeypatch):
+@pytest.mark.parametrize("family, in_consumer", [("llama", True), ("qwen3", True), ("llama", False)])
+def test_deferred_expand_matches_peft(tmp_path, device, family, in_consumer, monkeypatch):
     """Every expand of the small steps deferred (as captured decode steps defer them, here forced in eager steps):
     q/k/v's LoRA term added by the RoPE + KV write kernel (Qwen3: before its q/k norm), o_proj's and down_proj's by
-    the residual add + RMSNorm, gate/up's by silu * up; mixed adapters, ranks and base-only rows, against PEFT."""
+    the residual add + RMSNorm, gate/up's by silu * up; mixed adapters, ranks and base-only rows, against PEFT. With
+    ``in_consumer`` the norm and silu * up kernels expand o's, down's (but the last layer's) and gate/up's terms
+    themselves from their factors; without, every term is written out by the expand first."""
     from backend.lora_batch import LoraBatch
+    from kernels.lora_term import LoraFactors
 
     deferred: list[tuple[int, ...]] = []
+    as_factors: list[tuple[int, ...]] = []
     expand_deferred = LoraBatch.expand_deferred
 
-    def counted(self, pending, widths):
+    def counted(self, pending, widths, consumer_expands=False):
         deferred.append(widths)
-        return expand_deferred(self, pending, widths)
+        term = expand_deferred(self, pending, widths, consumer_expands)
+        if isinstance(term.term, LoraFactors):
+            as_factors.append(widths)
+        return term
 
     monkeypatch.setattr(LoraBatch, "defer_expand", True)
+    monkeypatch.setattr(LoraBatch, "expand_in_consumer", in_consumer)
     monkeypatch.setattr(LoraBatch, "expand_deferred", counted)
     extra = {"qwen3": {"head_dim": 24}}.get(family, {})
     base = make_base(tmp_path / "base", family, seed=37, **extra)
@@ -107,6 +115,7 @@ def test_deferred_expand_matches_peft(tmp_path, device, family, monkeypatch):
     qkv = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
     widths = {qkv, (cfg.hidden_size,), (cfg.intermediate_size,) * 2}
     assert set(deferred) == widths, "every projection's expand must have been deferred"
+    assert set(as_factors) == (widths - {qkv} if in_consumer else set())
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
