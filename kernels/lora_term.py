@@ -78,9 +78,10 @@ class LoraFactors:
         return (y, self.pool, b, r, s, self.token_slots, y.stride(0), y.stride(1), y.stride(2),
                 b.stride(0), b.stride(1), b.stride(2), r.stride(0), r.stride(1), s.stride(0), s.stride(1))
 
-    def kernel_meta(self) -> dict[str, int]:
-        """The consumer kernels' LoRA compile-time parameters: rank rows per unrolled chunk, 16 bytes in elements."""
-        return {"LORA_BLOCK_R": min(16, 1 << (max(1, self.y.shape[2]) - 1).bit_length()),
+    def kernel_meta(self, max_block_r: int = 16) -> dict[str, int]:
+        """The consumer kernels' LoRA compile-time parameters: rank rows per unrolled chunk (at most
+        ``max_block_r``: a kernel whose tiles are large unrolls fewer, or spills), 16 bytes in elements."""
+        return {"LORA_BLOCK_R": min(max_block_r, 1 << (max(1, self.y.shape[2]) - 1).bit_length()),
                 "LORA_ALIGN": 16 // self.pool.element_size()}
 
     def materialize(self) -> torch.Tensor:

@@ -260,8 +260,8 @@ def moe_pair_launches(tokens: int = 64, distinct: int = 8, rank: int = 16) -> No
 
 def other_launches(batch: int = 64, seq: int = 1024) -> None:
     """Paged decode attention (32 q / 8 kv heads, d 128, page 16), add+RMSNorm, silu*mul and RoPE + KV write at the
-    8B shapes; the last three also with a deferred LoRA term (``lora_delta``) to add, and add+RMSNorm and silu*mul
-    with the term's factors (``LoraFactors``, 16 adapters of rank 16, rows on 16 bytes) to expand themselves."""
+    8B shapes; the last three also with a deferred LoRA term (``lora_delta``) to add, and with the term's factors
+    (``LoraFactors``, 16 adapters of rank 16, rows on 16 bytes) to expand themselves."""
     import torch
 
     from kernels.add_rms_norm import add_rms_norm
@@ -307,6 +307,10 @@ def other_launches(batch: int = 64, seq: int = 1024) -> None:
     add_rms_norm(hidden, torch.empty_like(hidden), torch.empty(4096, dtype=torch.bfloat16), 1e-5,
                  lora_delta=factors((4096,)))
     silu_mul(gate_up, factors((14336, 14336)))
+    rope_kv_write(qkv[:, : 40 * d].view(batch, 40, d), qkv[:, 40 * d:].view(batch, nkv, d),
+                  torch.zeros(batch, dtype=torch.int64), cos, torch.empty_like(cos),
+                  pool.view(-1, num_layers, 2, page, nkv, d), 5, torch.arange(batch, dtype=torch.int64), 32,
+                  lora_delta=factors((32 * d, nkv * d, nkv * d)))
 
 
 def gemm_launches(rows: int = 64, dtype: str = "bfloat16") -> None:

@@ -90,10 +90,11 @@ def test_the_deferred_forms_were_compiled(compiled):
 
 
 def test_the_consumers_expanding_the_lora_term_themselves_were_compiled(compiled):
-    """add+RMSNorm and silu*mul with the term's factors (``kernels/lora_term.py``) are among the kernels the checks
-    above and below cover (16-byte reads of B^T's rows, no spills)."""
+    """add+RMSNorm, silu*mul and RoPE + KV write with the term's factors (``kernels/lora_term.py``) are among the
+    kernels the checks above and below cover (16-byte reads of B^T's rows, no spills)."""
     kinds = {(r["name"], r["constexprs"].get("LORA_FACTORS")) for r in compiled}
-    assert {("_add_rms_norm_kernel", True), ("_silu_mul_kernel", True), ("_add_rms_norm_kernel", False)} <= kinds
+    assert {("_add_rms_norm_kernel", True), ("_silu_mul_kernel", True), ("_rope_kv_write_kernel", True),
+            ("_add_rms_norm_kernel", False)} <= kinds
 
 
 def test_every_kernel_fits_the_h200_shared_memory(compiled):

@@ -279,7 +279,8 @@ class LlamaModel:
         T = x.shape[0]
         q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         fused_rope = self.use_kernels and self.fuse_rope_kv
-        qkv, qkv_lora = self._project(x, w.qkv, w.qkv_bias, i, lora, QKV, (q_out, kv_out, kv_out), defer=fused_rope)
+        qkv, qkv_lora = self._project(x, w.qkv, w.qkv_bias, i, lora, QKV, (q_out, kv_out, kv_out), defer=fused_rope,
+                                      consumer_expands=True)
         # q and k heads side by side ([T, nh + nkv, d], a view of qkv): one norm and one rotation for both
         qk = qkv[:, : q_out + kv_out].view(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, q_out + kv_out:].view(T, cfg.num_kv_heads, cfg.head_dim)

@@ -1,6 +1,7 @@
-"""The consumers' own LoRA expand (kernels/lora_term.LoraFactors): residual add + RMSNorm and silu * up given a
-projection's LoRA term as its factors give what they give with the term written out by the BGMV expand's overwrite
-form, on fresh random paged adapters (mixed ranks, tokens without an adapter, rows on 16 bytes or not)."""
+"""The consumers' own LoRA expand (kernels/lora_term.LoraFactors): residual add + RMSNorm, silu * up and RoPE + KV
+write given a projection's LoRA term as its factors give what they give with the term written out by the BGMV
+expand's overwrite form, on fresh random paged adapters (mixed ranks, tokens without an adapter, rows on 16 bytes or
+not)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from lora_cases import DISTS, make_case, seed_of
 from kernels.add_rms_norm import add_rms_norm
 from kernels.lora_expand import lora_expand
 from kernels.lora_term import LoraFactors
+from kernels.rope_kv import rope_kv_write
 from kernels.silu_mul import silu_mul
 
 
@@ -88,6 +90,44 @@ def test_silu_mul_expands_the_factors_as_the_expand_writes_them(device, dtype, d
     torch.testing.assert_close(buffer.cpu(), dense_term(case, f), rtol=1e-4, atol=1e-4)
     if bool((case.token_slots >= 0).any()):  # the term moved the result
         assert not torch.equal(got.cpu(), silu_mul(gate_up).cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dist", ["distinct", "powerlaw", "some_none"])
+@pytest.mark.parametrize("tokens, num_q, num_kv, head_dim, norm, align", [
+    (3, 4, 2, 8, False, 8), (5, 3, 1, 24, True, 1), (2, 6, 6, 10, False, 8), (4, 32, 8, 128, False, 8)])
+def test_rope_kv_write_expands_the_factors_as_the_expand_writes_them(device, dtype, dist, tokens, num_q, num_kv,
+                                                                     head_dim, norm, align):
+    """q's, k's and v's terms from slices 0, 1, 2 (heads of widths that are not powers of two included: padded
+    columns must not read the next head's), rotated q and the cache's k and v as with the written-out term."""
+    widths = [num_q * head_dim, num_kv * head_dim, num_kv * head_dim]
+    case = make_case(seed_of("rope", dtype, dist, tokens, num_q, head_dim, align), tokens, 8, widths, dist, device,
+                     dtype=dtype, align=align)
+    f = _factors(case, dtype)
+    gen = case.gen
+    qkv = torch.randn(tokens, sum(widths), generator=gen).to(dtype)
+    max_len, pages, page_size, layers = 20, 4, 4, 2
+    cos = torch.randn(max_len, head_dim, generator=gen).to(dtype).to(device)
+    sin = torch.randn(max_len, head_dim, generator=gen).to(dtype).to(device)
+    kv = torch.randn(pages, layers, 2, page_size, num_kv, head_dim, generator=gen).to(dtype)
+    slots = torch.randperm(pages * page_size, generator=gen)[:tokens].long().to(device)
+    positions = torch.randint(0, max_len, (tokens,), generator=gen).to(device)
+    weight = (1 + 0.3 * torch.randn(num_q + num_kv, head_dim, generator=gen)).to(dtype).to(device) if norm else None
+    split = (num_q + num_kv) * head_dim
+
+    def run(term):
+        out, cache = qkv.clone().to(device), kv.clone().to(device)
+        q = rope_kv_write(out[:, :split].view(tokens, num_q + num_kv, head_dim),
+                          out[:, split:].view(tokens, num_kv, head_dim), positions, cos, sin, cache, 1, slots, num_q,
+                          weight, 1e-6, lora_delta=term)  # fmt: skip
+        return q.cpu(), cache.cpu()
+
+    got_q, got_kv = run(f)
+    want_q, want_kv = run(_written_out(f))
+    _assert_same(got_q, want_q, device)
+    _assert_same(got_kv, want_kv, device)
+    if bool((case.token_slots >= 0).any()):
+        assert not torch.equal(got_kv, run(None)[1])
 
 
 def dense_term(case, f: LoraFactors) -> torch.Tensor:
