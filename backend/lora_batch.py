@@ -9,10 +9,7 @@ shrink/expand kernels of kernels/, which read the rows in place.
 In a captured decode step (BGMV expand, LoRA side stream) a projection whose output goes straight into a fused kernel
 (RoPE + KV write, residual add + RMSNorm, silu * up) takes its expand off the step's critical path: the expand runs
 on the side stream after the shrink, beside the base GEMM, writing the LoRA term alone into an fp32 buffer
-(``LoraDelta``), and the consuming kernel adds it, rounded as the in-place expand would have left the output. Where
-the consumer can expand the term itself (residual add + RMSNorm, silu * up) the expand is not launched at all: the
-``LoraDelta`` holds the term's factors (``kernels/lora_term.LoraFactors``: the shrink's output and the B^T tables) and
-the consumer computes the term for the columns it handles.
+(``LoraDelta``), and the consuming kernel adds it, rounded as the in-place expand would have left the output.
 
 MoE bases: slots 7 + 2e (+1) of the module axis hold expert e's gate_up_proj (down_proj) rows
 (backend/adapter_packing.py); ``apply_expert`` adds them for the (token, expert) pairs routed to e,
@@ -33,7 +30,6 @@ from backend.adapter_packing import MODULE_INDEX, expert_slot
 from backend.adapter_pool import ResidentAdapter
 from backend.config import check_decode_form_name
 from backend.model_config import PROJECTIONS
-from kernels.lora_term import LoraFactors
 
 if TYPE_CHECKING:
     from kernels.lora_expand import ExpandLaunch
@@ -68,34 +64,27 @@ DEFER_EXPAND = os.environ.get("MANYLORA_LORA_DEFER_EXPAND", "1").strip().lower()
 # columns) and small mixed steps defer; a mixed step of thousands of tokens would take GBs beside the pool
 # (sizing.GPU_MARGIN_BYTES is all the room the largest step's activations have) and adds in place instead.
 DEFER_EXPAND_MAX_BYTES = 32 << 20
-# ... and a consumer that can expand the term itself gets its factors instead of an expand's buffer;
-# MANYLORA_LORA_EXPAND_IN_CONSUMER=0 launches the expand into the buffer for every consumer
-# (perf/bench_decode_step.py --expand-in-consumer times both)
-EXPAND_IN_CONSUMER = os.environ.get("MANYLORA_LORA_EXPAND_IN_CONSUMER", "1").strip().lower() not in (
-    "0", "false", "off", "no")
 
 
 @dataclass
 class LoraDelta:
     """A projection's LoRA term, computed beside its base GEMM (``LoraBatch.expand_deferred``) for the kernel that
     consumes the projection's output to add: ``scaling * (x @ A^T) @ B^T`` per token, zero in base-only tokens'
-    rows; written out (an fp32 buffer) or as its factors, for a consumer that expands it itself."""
+    rows."""
 
-    term: torch.Tensor | LoraFactors  # fp32 [T, sum(widths)], or its factors
-    side_stream: torch.cuda.Stream | None  # where it (or its shrink) is computed, when not on the current stream
+    values: torch.Tensor  # fp32 [T, sum(widths)]
+    side_stream: torch.cuda.Stream | None  # where it is computed, when not on the current stream
 
-    def ready(self) -> torch.Tensor | LoraFactors:
-        """``term``, once the current stream has waited for the side stream that writes it."""
+    def ready(self) -> torch.Tensor:
+        """``values``, once the current stream has waited for the side stream that writes them."""
         if self.side_stream is not None:
-            torch.cuda.current_stream(self.term.y.device if isinstance(self.term, LoraFactors) else
-                                      self.term.device).wait_stream(self.side_stream)
+            torch.cuda.current_stream(self.values.device).wait_stream(self.side_stream)
             self.side_stream = None
-        return self.term
+        return self.values
 
     def add_into(self, out: torch.Tensor) -> torch.Tensor:
         """out += the term in place (fp32 arithmetic, one rounding: the in-place expand's result); returns out."""
-        term = self.ready()
-        return out.add_(term.materialize() if isinstance(term, LoraFactors) else term)
+        return out.add_(self.ready())
 
 
 def _side_stream(x: torch.Tensor) -> torch.cuda.Stream:
@@ -130,8 +119,6 @@ class LoraBatch:
     # whether ``defers_expand`` says yes: None follows DEFER_EXPAND inside a capture with the side stream; True / False
     # force it (tests check the deferred form's numerics in eager steps, on the CPU too)
     defer_expand: bool | None = None
-    # whether a consumer that can expand a deferred term gets its factors: None follows EXPAND_IN_CONSUMER
-    expand_in_consumer: bool | None = None
 
     def __init__(self, token_slots: list[int], adapters: list[ResidentAdapter], pool: torch.Tensor, device: str,
                  use_kernels: bool = False, decode_form: str = "bgmv") -> None:
@@ -346,19 +333,10 @@ class LoraBatch:
             return self.defer_expand
         return DEFER_EXPAND and _overlaps(x)
 
-    def expand_deferred(self, pending: PendingShrink, widths: tuple[int, ...],
-                        consumer_expands: bool = False) -> LoraDelta:
+    def expand_deferred(self, pending: PendingShrink, widths: tuple[int, ...]) -> LoraDelta:
         """Kernel path, second half of ``apply`` for a consumer that adds the term itself: the expand of a ``shrink``
         written into a new fp32 [T, sum(widths)] buffer, on the shrink's stream (the side stream, beside the base
-        GEMM, inside a capture); or, where the consumer can expand it (``consumer_expands``) and
-        ``expand_in_consumer`` / EXPAND_IN_CONSUMER allow it, no launch: the term's factors. Callers check
-        ``defers_expand`` first."""
-        in_consumer = self.expand_in_consumer if self.expand_in_consumer is not None else EXPAND_IN_CONSUMER
-        if consumer_expands and in_consumer:
-            layer, mods = pending.layer, pending.modules
-            factors = LoraFactors(pending.y, self.pool, self.row_offsets[layer, mods, 1], self.ranks[layer, mods],
-                                  self.scalings[layer, mods], self.token_slots, tuple(widths))
-            return LoraDelta(factors, pending.side_stream)
+        GEMM, inside a capture). Callers check ``defers_expand`` first."""
         # allocated on the step's stream, which the side stream waited on at the shrink: no reuse race either way
         values = torch.empty((pending.y.shape[1], sum(widths)), dtype=torch.float32, device=pending.y.device)
         launch, args = self._expand_launch(pending, values, widths, overwrite=True)

@@ -4,10 +4,9 @@ Numerics follow the unfused torch ops of the model (Hugging Face's LlamaRMSNorm)
 rounded to the activation dtype (as ``h + delta`` is), the norm is computed in float32 from that
 rounded sum, cast back, then multiplied by the weight in the activation dtype.
 
-``lora_delta`` is a row-parallel projection's LoRA term (``backend/lora_batch.LoraDelta``): an fp32 [T, N] buffer
-computed beside the base GEMM, or its factors (``kernels/lora_term.LoraFactors``), which the kernel expands itself
-for its row. Either way it is added to ``delta`` first, in fp32 and rounded once, as the LoRA expand adds into the
-projection's output in place.
+``lora_delta`` (fp32, [T, N]) is a row-parallel projection's LoRA term computed beside its base GEMM
+(``backend/lora_batch.LoraDelta``): it is added to ``delta`` first, in fp32 and rounded once, as the LoRA expand
+adds into the projection's output in place.
 """
 
 from __future__ import annotations
@@ -16,41 +15,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.expand_tiles import lora_term
 from kernels.lora_meta import FLOAT_DTYPES, check_shape, check_tensor
-from kernels.lora_term import LoraFactors
 from kernels.relaunch import relauncher
 
 __all__ = ["add_rms_norm"]
 
 
-# the factors' strides that follow the token and slot counts, and the tables whose alignment follows the slot count
-# (as in the expand kernels: no variants compiled per step)
-_LORA_VARYING = ["lora_stride_ys", "lora_stride_bs", "lora_stride_rs", "lora_stride_ss"]
-_LORA_TABLES = ["lora_b_offs_ptr", "lora_ranks_ptr", "lora_scalings_ptr"]
-
-
-@triton.jit(do_not_specialize=["eps", *_LORA_VARYING], do_not_specialize_on_alignment=_LORA_TABLES)
+@triton.jit(do_not_specialize=["eps"])
 def _add_rms_norm_kernel(
     x_ptr,  # [T, N]: the residual stream before the add
     delta_ptr,  # [T, N]: what is added (read only with HAS_DELTA)
     lora_ptr,  # fp32 [T, N]: the LoRA term of delta (read only with HAS_LORA)
-    lora_y_ptr,  # the LoRA term's factors (kernels/lora_term.LoraFactors; read only with LORA_FACTORS)
-    lora_pool_ptr,
-    lora_b_offs_ptr,
-    lora_ranks_ptr,
-    lora_scalings_ptr,
-    lora_slots_ptr,
-    lora_stride_ys,
-    lora_stride_ym,
-    lora_stride_yr,
-    lora_stride_bs,
-    lora_stride_bslot,
-    lora_stride_br,
-    lora_stride_rs,
-    lora_stride_rslot,
-    lora_stride_ss,
-    lora_stride_sslot,
     weight_ptr,  # [N]
     sum_ptr,  # [T, N]: x + delta (written only with HAS_DELTA)
     out_ptr,  # [T, N]: rms_norm(x + delta) * weight
@@ -63,9 +38,6 @@ def _add_rms_norm_kernel(
     eps,
     HAS_DELTA: tl.constexpr,
     HAS_LORA: tl.constexpr,
-    LORA_FACTORS: tl.constexpr,  # the LoRA term expanded here from its factors (HAS_LORA: from the buffer)
-    LORA_BLOCK_R: tl.constexpr,
-    LORA_ALIGN: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -76,12 +48,6 @@ def _add_rms_norm_kernel(
         delta = tl.load(delta_ptr + row * stride_d + offs, mask=mask, other=0.0)
         if HAS_LORA:  # the projection's output with its LoRA term, rounded as the in-place expand leaves it
             lora = tl.load(lora_ptr + row * stride_l + offs, mask=mask, other=0.0)
-            delta = (delta.to(tl.float32) + lora).to(delta.dtype)
-        if LORA_FACTORS:  # the same, the term expanded for this row
-            lora = lora_term(lora_y_ptr, lora_pool_ptr, lora_b_offs_ptr, lora_ranks_ptr, lora_scalings_ptr,
-                             lora_slots_ptr, row, 0, offs, n_cols, lora_stride_ys, lora_stride_ym, lora_stride_yr,
-                             lora_stride_bs, lora_stride_bslot, lora_stride_br, lora_stride_rs, lora_stride_rslot,
-                             lora_stride_ss, lora_stride_sslot, LORA_BLOCK_R, LORA_ALIGN)  # fmt: skip
             delta = (delta.to(tl.float32) + lora).to(delta.dtype)
         x = (x.to(tl.float32) + delta.to(tl.float32)).to(x.dtype)  # rounded as the torch add is
         tl.store(sum_ptr + row * stride_s + offs, x, mask=mask)
@@ -95,13 +61,13 @@ def _add_rms_norm_kernel(
 
 def add_rms_norm(
     x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-    lora_delta: torch.Tensor | LoraFactors | None = None,
+    lora_delta: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + delta) * weight, x + delta); without ``delta``, (rms_norm(x) * weight, x).
 
     Semantics::
 
-        if lora_delta is not None:                           # factors: lora_delta.materialize()
+        if lora_delta is not None:
             delta = (delta.float() + lora_delta).to(x.dtype)
         s = (x + delta) if delta is not None else x          # in x.dtype
         out = weight * (s.float() * rsqrt(mean(s.float() ** 2, -1) + eps)).to(x.dtype)
@@ -111,8 +77,7 @@ def add_rms_norm(
         delta: [T, N] of x's dtype, or None.
         weight: [N] of x's dtype.
         eps: the norm's epsilon.
-        lora_delta: optional (needs ``delta``): delta's LoRA term, a float32 [T, N] buffer with unit column stride,
-            or its ``LoraFactors`` (one slice of width N), expanded here.
+        lora_delta: optional float32 [T, N] (needs ``delta``): delta's LoRA term, unit column stride.
 
     Returns:
         (out [T, N] contiguous, s [T, N] contiguous (a new tensor when delta is given, else x)).
@@ -124,13 +89,9 @@ def add_rms_norm(
     if delta is not None:
         check_tensor("delta", delta, dtype=x.dtype, dims=2, device=x.device)
         check_shape("delta", delta, (num_rows, n_cols))
-    if lora_delta is not None and delta is None:
-        raise ValueError("add_rms_norm's lora_delta is the LoRA term of delta: pass delta with it")
-    factors = lora_delta if isinstance(lora_delta, LoraFactors) else None
-    if factors is not None:
-        factors.check(num_rows, (n_cols,), x.device)
-        lora_delta = None
-    elif lora_delta is not None:
+    if lora_delta is not None:
+        if delta is None:
+            raise ValueError("add_rms_norm's lora_delta is the LoRA term of delta: pass delta with it")
         check_tensor("lora_delta", lora_delta, dtype=torch.float32, dims=2, device=x.device)
         check_shape("lora_delta", lora_delta, (num_rows, n_cols))
     for name, t in (("x", x), ("delta", delta), ("lora_delta", lora_delta), ("weight", weight)):
@@ -141,15 +102,12 @@ def add_rms_norm(
     if num_rows == 0:
         return out, total
     block = triton.next_power_of_2(n_cols)
-    lora_meta = factors.kernel_meta() if factors is not None else {"LORA_BLOCK_R": 1, "LORA_ALIGN": 1}
     launch = relauncher(_add_rms_norm_kernel, HAS_DELTA=delta is not None, HAS_LORA=lora_delta is not None,
-                        LORA_FACTORS=factors is not None, **lora_meta, BLOCK=block,
-                        num_warps=8 if block >= 4096 else 4)
+                        BLOCK=block, num_warps=8 if block >= 4096 else 4)
     d = delta if delta is not None else x
     lora = lora_delta if lora_delta is not None else x
-    factor_args = factors.kernel_args() if factors is not None else (x,) * 6 + (0,) * 10
     launch(
-        (num_rows,), x, d, lora, *factor_args, weight, total, out,
+        (num_rows,), x, d, lora, weight, total, out,
         n_cols, x.stride(0), d.stride(0), lora.stride(0), total.stride(0), out.stride(0), float(eps),
     )  # fmt: skip
     return out, total

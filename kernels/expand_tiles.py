@@ -4,8 +4,7 @@ Shared by the dense expand kernels (``kernels/lora_expand.py``) and the MoE-LoRA
 (``kernels/moe_lora_pairs.py``). B^T lies in the flat pool as rank rows (row k = B[:, k], contiguous),
 row k of a slot at ``b_offs_row[k * stride_br]``; y is the shrink's fp32 output; every body adds
 ``scaling * y . B^T[:, n]`` into the output in fp32 and casts once (``add_scaled``), or with OVERWRITE stores it
-(``write_scaled``: the dense BGMV expand's deferred form, whose fp32 output a later kernel adds). ``lora_term``
-returns the term instead, for a consumer kernel that expands the LoRA itself (``kernels/lora_term.py``).
+(``write_scaled``: the dense BGMV expand's deferred form, whose fp32 output a later kernel adds).
 """
 
 from __future__ import annotations
@@ -13,10 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = [
-    "add_scaled", "bgmv_expand_rows", "bgmv_expand_tile", "expand_rows_acc", "load_b_rows", "lora_term", "rows_aligned",
-    "write_scaled",
-]
+__all__ = ["add_scaled", "bgmv_expand_rows", "bgmv_expand_tile", "load_b_rows", "rows_aligned", "write_scaled"]
 
 @triton.jit
 def load_b_rows(pool_ptr, row_offs, offs_n, r_mask, n_mask, ROW_ALIGN: tl.constexpr):
@@ -90,18 +86,25 @@ def rows_aligned(b_offs_row, stride_br, rank, ROW_ALIGN: tl.constexpr, BLOCK_R: 
 
 
 @triton.jit
-def expand_rows_acc(
-    y_row, stride_yr, b_offs_row, stride_br, pool_ptr, rank, offs_n, n_size,
-    BLOCK_R: tl.constexpr, ROW_ALIGN: tl.constexpr, ALIGNED: tl.constexpr,
+def bgmv_expand_rows(
+    y_row, stride_yr, b_offs_row, stride_br, pool_ptr, out_row, stride_on, rank, scaling, n_start, n_size, pid_n,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ROW_ALIGN: tl.constexpr, ALIGNED: tl.constexpr,
+    OVERWRITE: tl.constexpr = False,
 ):  # fmt: skip
-    """fp32 ``y . B^T[:, offs_n]`` for one token, B^T streamed row by row (0 at columns >= n_size): each rank row is
-    one load of the columns and the sum over the rank is each thread's own fp32 adds, rank row 0 first.
+    """``bgmv_expand_tile``'s semantics (out_row[n_start + n] += scaling * y . B^T[:, n] over one token's columns
+    [pid_n * BLOCK_N, +BLOCK_N) of one slice), B^T streamed row by row: each rank row is one 1-D load of the
+    tile's columns and the sum over the rank is each thread's own fp32 adds (the tile form loads [BLOCK_R, BLOCK_N]
+    and reduces over its rank axis, which spreads rank rows over threads and, with 16-byte loads, goes through
+    shared memory).
 
-    ALIGNED (all rank rows start on 16 bytes, ``rows_aligned``, as in the paged layout, and the caller promised
-    n_size to be a multiple of 16 bytes): BLOCK_R rows unrolled per chunk, their offsets promised as (o // A) * A,
-    so each row is read 16 bytes an instruction and the chunk's loads are all in flight at once; rows k >= rank load
-    nothing. Otherwise one row at a time with plain loads (a fallback: layouts the pool never makes)."""
-    acc = tl.zeros(offs_n.shape, dtype=tl.float32)
+    ALIGNED (all rank rows start on 16 bytes, ``rows_aligned``, as in the paged layout, and the caller promised the
+    slice's start and width to be multiples of 16 bytes): BLOCK_R rows unrolled per chunk, their offsets promised as
+    (o // A) * A, so each row is read 16 bytes an instruction and the chunk's loads are all in flight at once; rows
+    k >= rank load nothing. Otherwise one row at a time with plain loads (a fallback: layouts the pool never
+    makes). OVERWRITE: ``=`` instead of ``+=`` (``write_scaled``)."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_size
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if ALIGNED:
         for r0 in range(0, rank, BLOCK_R):
             for j in tl.static_range(BLOCK_R):
@@ -112,53 +115,7 @@ def expand_rows_acc(
                 b = tl.load(pool_ptr + off + offs_n, mask=offs_n < tl.where(k < rank, n_size, 0), other=0.0)
                 acc += yk * b.to(tl.float32)
     else:
-        n_mask = offs_n < n_size
         for k in range(0, rank):
             b = tl.load(pool_ptr + tl.load(b_offs_row + k * stride_br) + offs_n, mask=n_mask, other=0.0)
             acc += tl.load(y_row + k * stride_yr) * b.to(tl.float32)
-    return acc
-
-
-@triton.jit
-def bgmv_expand_rows(
-    y_row, stride_yr, b_offs_row, stride_br, pool_ptr, out_row, stride_on, rank, scaling, n_start, n_size, pid_n,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ROW_ALIGN: tl.constexpr, ALIGNED: tl.constexpr,
-    OVERWRITE: tl.constexpr = False,
-):  # fmt: skip
-    """``bgmv_expand_tile``'s semantics (out_row[n_start + n] += scaling * y . B^T[:, n] over one token's columns
-    [pid_n * BLOCK_N, +BLOCK_N) of one slice), B^T streamed row by row (``expand_rows_acc``; the tile form loads
-    [BLOCK_R, BLOCK_N] and reduces over its rank axis, which spreads rank rows over threads and, with 16-byte loads,
-    goes through shared memory). ALIGNED: also the slice's start promised a multiple of 16 bytes by the caller, so
-    that the output is written 16 bytes an instruction. OVERWRITE: ``=`` instead of ``+=`` (``write_scaled``)."""
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = expand_rows_acc(y_row, stride_yr, b_offs_row, stride_br, pool_ptr, rank, offs_n, n_size,
-                          BLOCK_R, ROW_ALIGN, ALIGNED)  # fmt: skip
-    write_scaled(out_row + (n_start + offs_n).to(tl.int64) * stride_on, offs_n < n_size, scaling, acc, OVERWRITE)
-
-
-@triton.jit
-def lora_term(
-    y_ptr, pool_ptr, b_offs_ptr, ranks_ptr, scalings_ptr, token_slots_ptr, token, slice_id, offs_n, n_size,
-    stride_ys, stride_ym, stride_yr, stride_bs, stride_bslot, stride_br, stride_rs, stride_rslot, stride_ss,
-    stride_sslot, BLOCK_R: tl.constexpr, ROW_ALIGN: tl.constexpr,
-):  # fmt: skip
-    """fp32 [offs_n's shape]: one token's LoRA term at columns ``offs_n`` of one slice, expanded where a consumer
-    kernel needs it (``kernels/lora_term.LoraFactors``): ``scaling * y . B^T[:, offs_n]`` as the BGMV expand
-    computes it (``expand_rows_acc``, then the scaling), 0 at columns >= n_size and for a token without an adapter
-    (slot -1). ``offs_n``: columns within the slice (any shape; 16-byte reads where they run in aligned blocks)."""
-    slot = tl.load(token_slots_ptr + token)
-    term = tl.zeros(offs_n.shape, dtype=tl.float32)
-    if slot >= 0:
-        s = slot.to(tl.int64)
-        rank = tl.load(ranks_ptr + slice_id * stride_rs + s * stride_rslot)
-        scaling = tl.load(scalings_ptr + slice_id * stride_ss + s * stride_sslot)
-        y_row = y_ptr + slice_id * stride_ys + token * stride_ym
-        b_offs_row = b_offs_ptr + slice_id * stride_bs + s * stride_bslot
-        if (n_size % ROW_ALIGN == 0) & rows_aligned(b_offs_row, stride_br, rank, ROW_ALIGN, BLOCK_R):
-            acc = expand_rows_acc(y_row, stride_yr, b_offs_row, stride_br, pool_ptr, rank, offs_n,
-                                  (n_size // ROW_ALIGN) * ROW_ALIGN, BLOCK_R, ROW_ALIGN, True)  # fmt: skip
-        else:
-            acc = expand_rows_acc(y_row, stride_yr, b_offs_row, stride_br, pool_ptr, rank, offs_n, n_size,
-                                  BLOCK_R, ROW_ALIGN, False)  # fmt: skip
-        term = scaling * acc
-    return term
+    write_scaled(out_row + (n_start + offs_n).to(tl.int64) * stride_on, n_mask, scaling, acc, OVERWRITE)

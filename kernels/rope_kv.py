@@ -13,10 +13,9 @@ the compiler turns "bf16 product, rounded, plus bf16 product" into one bf16 FMA 
 bf16 step off the torch ops in ~24% of random elements as emulated on the CPU; the compiled test on the H200 caught
 it, perf/results/2026-12-01-h200/15_pdl).
 
-``lora_delta`` is the q/k/v projection's LoRA term (``backend/lora_batch.LoraDelta``): an fp32 [T, (NQ + 2 NKV) * D]
-buffer computed beside the base GEMM, or its factors (``kernels/lora_term.LoraFactors``, slices q, k, v), which the
-kernel expands itself for the heads it handles. Either way it is added to q, k and v first, in fp32 and rounded
-once, as the LoRA expand adds into the projection's output in place.
+``lora_delta`` (fp32, [T, (NQ + 2 NKV) * D]) is the q/k/v projection's LoRA term computed beside its base GEMM
+(``backend/lora_batch.LoraDelta``): added to q, k and v first, in fp32 and rounded once, as the LoRA expand adds into
+the projection's output in place.
 """
 
 from __future__ import annotations
@@ -25,30 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.expand_tiles import lora_term
 from kernels.lora_meta import FLOAT_DTYPES, check_shape, check_tensor
-from kernels.lora_term import LoraFactors
 from kernels.relaunch import relauncher
 
 __all__ = ["rope_kv_write"]
 
 
-# the factors' step-to-step strides and slot-count-aligned tables are not specialised on (kernels/add_rms_norm.py)
-_LORA_VARYING = ["lora_stride_ys", "lora_stride_bs", "lora_stride_rs", "lora_stride_ss"]
-_LORA_TABLES = ["lora_b_offs_ptr", "lora_ranks_ptr", "lora_scalings_ptr"]
-
-
-@triton.jit
-def _qkv_term(
-    y_ptr, pool_ptr, b_offs_ptr, ranks_ptr, scalings_ptr, slots_ptr, token, slice_id, cols, n_size,
-    s_ys, s_ym, s_yr, s_bs, s_bslot, s_br, s_rs, s_rslot, s_ss, s_sslot, BLOCK_R: tl.constexpr, ALIGN: tl.constexpr,
-):  # fmt: skip
-    """``lora_term`` of one slice of the q/k/v projection (columns ``cols`` of it; n_size or more: 0)."""
-    return lora_term(y_ptr, pool_ptr, b_offs_ptr, ranks_ptr, scalings_ptr, slots_ptr, token, slice_id, cols, n_size,
-                     s_ys, s_ym, s_yr, s_bs, s_bslot, s_br, s_rs, s_rslot, s_ss, s_sslot, BLOCK_R, ALIGN)
-
-
-@triton.jit(do_not_specialize=["layer", "eps", *_LORA_VARYING], do_not_specialize_on_alignment=_LORA_TABLES)
+@triton.jit(do_not_specialize=["layer", "eps"])  # the layer changes from call to call: no variants per layer
 def _rope_kv_write_kernel(
     qk_ptr,  # [T, NQ + NKV, D]: q heads then k heads; q is rotated in place
     v_ptr,  # [T, NKV, D]
@@ -59,22 +41,6 @@ def _rope_kv_write_kernel(
     kv_ptr,  # [pages, layers, 2, page_size, NKV, D]
     norm_ptr,  # [NQ + NKV, D]: the per-head RMSNorm weight of each q and k head (read only with NORM)
     lora_ptr,  # fp32 [T, (NQ + 2 NKV) * D]: the q/k/v projection's LoRA term (read only with HAS_LORA)
-    lora_y_ptr,  # its factors (kernels/lora_term.LoraFactors; read only with LORA_FACTORS): slices q, k, v
-    lora_pool_ptr,
-    lora_b_offs_ptr,
-    lora_ranks_ptr,
-    lora_scalings_ptr,
-    lora_slots_ptr,
-    lora_stride_ys,
-    lora_stride_ym,
-    lora_stride_yr,
-    lora_stride_bs,
-    lora_stride_bslot,
-    lora_stride_br,
-    lora_stride_rs,
-    lora_stride_rslot,
-    lora_stride_ss,
-    lora_stride_sslot,
     layer,
     page_size,
     eps,
@@ -97,9 +63,6 @@ def _rope_kv_write_kernel(
     BLOCK_D: tl.constexpr,  # >= D, a power of two (each half's columns: BLOCK_D // 2)
     NORM: tl.constexpr,
     HAS_LORA: tl.constexpr,
-    LORA_FACTORS: tl.constexpr,  # the LoRA term expanded here from its factors (HAS_LORA: from the buffer)
-    LORA_BLOCK_R: tl.constexpr,
-    LORA_ALIGN: tl.constexpr,
 ):
     """Program (t, 0): token t's q and k heads, a [BLOCK_H, BLOCK_D] tile; program (t, 1): its v heads."""
     token = tl.program_id(0).to(tl.int64)
@@ -115,15 +78,6 @@ def _rope_kv_write_kernel(
         if HAS_LORA:  # v's columns follow the q and k heads'
             lora_v = lora_ptr + token * stride_lt + (NQ + NKV + offs_v[:, None]) * D + offs_d[None, :]
             v = (v.to(tl.float32) + tl.load(lora_v, mask=mask, other=0.0)).to(v.dtype)
-        if LORA_FACTORS:  # slice 2; padded heads' columns fall at NKV * D and past: 0
-            v_cols = offs_v[:, None] * D + offs_d[None, :]
-            if BLOCK_D != D:  # padded columns of a head would be the next head's: sent past the slice too
-                v_cols = tl.where(mask, v_cols, NKV * D)
-            term = _qkv_term(lora_y_ptr, lora_pool_ptr, lora_b_offs_ptr, lora_ranks_ptr, lora_scalings_ptr,
-                             lora_slots_ptr, token, 2, v_cols, NKV * D, lora_stride_ys, lora_stride_ym, lora_stride_yr,
-                             lora_stride_bs, lora_stride_bslot, lora_stride_br, lora_stride_rs, lora_stride_rslot,
-                             lora_stride_ss, lora_stride_sslot, LORA_BLOCK_R, LORA_ALIGN)  # fmt: skip
-            v = (v.to(tl.float32) + term).to(v.dtype)
         tl.store(kv_row + stride_kvk + offs_v[:, None] * stride_kvh + offs_d[None, :], v, mask=mask)
         return
     offs_h = tl.arange(0, BLOCK_H)
@@ -138,34 +92,6 @@ def _rope_kv_write_kernel(
         lora_rows = lora_ptr + token * stride_lt + offs_h[:, None] * D + offs_c[None, :]
         x1 = (x1.to(tl.float32) + tl.load(lora_rows, mask=mask, other=0.0)).to(dtype)
         x2 = (x2.to(tl.float32) + tl.load(lora_rows + D // 2, mask=mask, other=0.0)).to(dtype)
-    if LORA_FACTORS:
-        # q heads: slice 0, k heads: slice 1. A row's columns in the other slice, and padded heads', fall at the
-        # slice's width or past it, where the term is 0: h * D for the k and padded rows of q's slice; for k's,
-        # (h - NQ) mod BLOCK_H (>= NKV for q rows, as BLOCK_H >= NQ + NKV). No select: the columns stay runs of
-        # 16 bytes, read so.
-        q_cols = offs_h[:, None] * D + offs_c[None, :]
-        k_cols = ((offs_h + BLOCK_H - NQ) % BLOCK_H)[:, None] * D + offs_c[None, :]
-        if BLOCK_D // 2 != D // 2:  # a half's padded columns would be its neighbour's
-            q_cols = tl.where(mask, q_cols, NQ * D)
-            k_cols = tl.where(mask, k_cols, NKV * D)
-        t1 = _qkv_term(lora_y_ptr, lora_pool_ptr, lora_b_offs_ptr, lora_ranks_ptr, lora_scalings_ptr, lora_slots_ptr,
-                       token, 0, q_cols, NQ * D, lora_stride_ys, lora_stride_ym, lora_stride_yr, lora_stride_bs,
-                       lora_stride_bslot, lora_stride_br, lora_stride_rs, lora_stride_rslot, lora_stride_ss,
-                       lora_stride_sslot, LORA_BLOCK_R, LORA_ALIGN)  # fmt: skip
-        t1 += _qkv_term(lora_y_ptr, lora_pool_ptr, lora_b_offs_ptr, lora_ranks_ptr, lora_scalings_ptr, lora_slots_ptr,
-                        token, 1, k_cols, NKV * D, lora_stride_ys, lora_stride_ym, lora_stride_yr, lora_stride_bs,
-                        lora_stride_bslot, lora_stride_br, lora_stride_rs, lora_stride_rslot, lora_stride_ss,
-                        lora_stride_sslot, LORA_BLOCK_R, LORA_ALIGN)  # fmt: skip
-        t2 = _qkv_term(lora_y_ptr, lora_pool_ptr, lora_b_offs_ptr, lora_ranks_ptr, lora_scalings_ptr, lora_slots_ptr,
-                       token, 0, q_cols + D // 2, NQ * D, lora_stride_ys, lora_stride_ym, lora_stride_yr,
-                       lora_stride_bs, lora_stride_bslot, lora_stride_br, lora_stride_rs, lora_stride_rslot,
-                       lora_stride_ss, lora_stride_sslot, LORA_BLOCK_R, LORA_ALIGN)  # fmt: skip
-        t2 += _qkv_term(lora_y_ptr, lora_pool_ptr, lora_b_offs_ptr, lora_ranks_ptr, lora_scalings_ptr, lora_slots_ptr,
-                        token, 1, k_cols + D // 2, NKV * D, lora_stride_ys, lora_stride_ym, lora_stride_yr,
-                        lora_stride_bs, lora_stride_bslot, lora_stride_br, lora_stride_rs, lora_stride_rslot,
-                        lora_stride_ss, lora_stride_sslot, LORA_BLOCK_R, LORA_ALIGN)  # fmt: skip
-        x1 = (x1.to(tl.float32) + t1).to(dtype)
-        x2 = (x2.to(tl.float32) + t2).to(dtype)
     if NORM:  # rms_norm(x) * w per head, rounded as the torch ops are
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
         inv = tl.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / D + eps)[:, None]
@@ -203,13 +129,13 @@ def rope_kv_write(
     num_q_heads: int,
     norm: torch.Tensor | None = None,
     eps: float = 1e-6,
-    lora_delta: torch.Tensor | LoraFactors | None = None,
+    lora_delta: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q in place, and store rotated k and v in the paged KV cache; returns the q heads (a view of ``qk``).
 
     Semantics (NQ = num_q_heads, ps = kv.shape[3], ``rms_norm`` that of backend.models.llama)::
 
-        if lora_delta is not None:           # columns: q heads, k heads, v heads (factors: lora_delta.materialize())
+        if lora_delta is not None:                             # columns: q heads, k heads, v heads
             qk = (qk.float() + lora_delta[:, :(NQ + NKV) * D].view(T, NQ + NKV, D)).to(dtype)
             v = (v.float() + lora_delta[:, (NQ + NKV) * D:].view(T, NKV, D)).to(dtype)
         if norm is not None:
@@ -236,8 +162,7 @@ def rope_kv_write(
         num_q_heads: NQ.
         norm: optional [NQ + NKV, D] per-head RMSNorm weights (Qwen3's q_norm for each q head, then k_norm).
         eps: the norm's epsilon.
-        lora_delta: optional: the q/k/v projection's LoRA term, a float32 [T, (NQ + 2 NKV) * D] buffer with unit
-            column stride, or its ``LoraFactors`` (slices of widths (NQ * D, NKV * D, NKV * D)), expanded here.
+        lora_delta: optional float32 [T, (NQ + 2 NKV) * D], contiguous rows: the q/k/v projection's LoRA term.
 
     Returns:
         ``qk[:, :NQ]``: the rotated q heads.
@@ -275,10 +200,6 @@ def rope_kv_write(
         check_tensor("norm", norm, dtype=FLOAT_DTYPES, dims=2, device=device)
         check_shape("norm", norm, (heads, head_dim))
         norm = norm.contiguous()
-    factors = lora_delta if isinstance(lora_delta, LoraFactors) else None
-    if factors is not None:
-        factors.check(num_tokens, (num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim), device)
-        lora_delta = None
     if lora_delta is not None:
         check_tensor("lora_delta", lora_delta, dtype=torch.float32, dims=2, device=device)
         check_shape("lora_delta", lora_delta, (num_tokens, (heads + num_kv_heads) * head_dim))
@@ -290,15 +211,11 @@ def rope_kv_write(
     block_h, block_d = triton.next_power_of_2(heads), triton.next_power_of_2(head_dim)
     relaunch = relauncher(_rope_kv_write_kernel, NQ=num_q_heads, NKV=num_kv_heads, D=head_dim, BLOCK_H=block_h,
                           BLOCK_V=triton.next_power_of_2(num_kv_heads), BLOCK_D=block_d, NORM=norm is not None,
-                          HAS_LORA=lora_delta is not None, LORA_FACTORS=factors is not None,
-                          # 8 rank rows unrolled: 16 spill at 8B's [64, 64] tiles and 4 warps (perf.compile_report)
-                          **(factors.kernel_meta(8) if factors is not None else {"LORA_BLOCK_R": 1, "LORA_ALIGN": 1}),
-                          num_warps=4 if block_h * block_d >= 2048 else 1, enable_fp_fusion=False)
-    factor_args = factors.kernel_args() if factors is not None else (qk,) * 6 + (0,) * 10
+                          HAS_LORA=lora_delta is not None, num_warps=4 if block_h * block_d >= 2048 else 1,
+                          enable_fp_fusion=False)
     relaunch(
         (num_tokens, 2), qk, v, positions, cos, sin, slots, kv,
-        norm if norm is not None else qk, lora_delta if lora_delta is not None else qk, *factor_args,
-        layer, kv.shape[3], eps,
+        norm if norm is not None else qk, lora_delta if lora_delta is not None else qk, layer, kv.shape[3], eps,
         qk.stride(0), qk.stride(1), v.stride(0), v.stride(1),
         lora_delta.stride(0) if lora_delta is not None else 0, cos.stride(0),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), kv.stride(4),

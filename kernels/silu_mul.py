@@ -6,10 +6,9 @@ the Llama-3-8B MLP (I = 14,336); this kernel reads gate and up once and writes t
 three passes, 0.35 GB. Numerics follow those torch ops: silu computed in float32 from the activation
 dtype and rounded to it, then the product computed in float32 and rounded again.
 
-``lora_delta`` is the gate/up projection's LoRA term (``backend/lora_batch.LoraDelta``): an fp32 [T, 2I] buffer
-computed beside the base GEMM, or its factors (``kernels/lora_term.LoraFactors``, slices gate and up), which the
-kernel expands itself for its columns. Either way it is added to gate and up first, in fp32 and rounded once, as the
-LoRA expand adds into the projection's output in place.
+``lora_delta`` (fp32, [T, 2I]) is the gate/up projection's LoRA term computed beside its base GEMM
+(``backend/lora_batch.LoraDelta``): added to gate and up first, in fp32 and rounded once, as the LoRA expand adds
+into the projection's output in place.
 """
 
 from __future__ import annotations
@@ -18,9 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.expand_tiles import lora_term
 from kernels.lora_meta import FLOAT_DTYPES, cdiv, check_shape, check_tensor
-from kernels.lora_term import LoraFactors
 from kernels.relaunch import relauncher
 
 __all__ = ["silu_mul"]
@@ -28,40 +25,16 @@ __all__ = ["silu_mul"]
 BLOCK = 1024
 
 
-# as in kernels/add_rms_norm.py: the factors' step-to-step strides and slot-count-aligned tables are not specialised on
-_LORA_VARYING = ["lora_stride_ys", "lora_stride_bs", "lora_stride_rs", "lora_stride_ss"]
-_LORA_TABLES = ["lora_b_offs_ptr", "lora_ranks_ptr", "lora_scalings_ptr"]
-
-
-@triton.jit(do_not_specialize=_LORA_VARYING, do_not_specialize_on_alignment=_LORA_TABLES)
+@triton.jit
 def _silu_mul_kernel(
     gate_up_ptr,  # [T, 2 * I]: gate in columns [0, I), up in [I, 2I)
     lora_ptr,  # fp32 [T, 2 * I]: gate_up's LoRA term (read only with HAS_LORA)
-    lora_y_ptr,  # its factors (kernels/lora_term.LoraFactors; read only with LORA_FACTORS): slice 0 gate, 1 up
-    lora_pool_ptr,
-    lora_b_offs_ptr,
-    lora_ranks_ptr,
-    lora_scalings_ptr,
-    lora_slots_ptr,
-    lora_stride_ys,
-    lora_stride_ym,
-    lora_stride_yr,
-    lora_stride_bs,
-    lora_stride_bslot,
-    lora_stride_br,
-    lora_stride_rs,
-    lora_stride_rslot,
-    lora_stride_ss,
-    lora_stride_sslot,
     out_ptr,  # [T, I]
     width,  # I
     stride_g,
     stride_l,
     stride_o,
     HAS_LORA: tl.constexpr,
-    LORA_FACTORS: tl.constexpr,  # the LoRA term expanded here from its factors (HAS_LORA: from the buffer)
-    LORA_BLOCK_R: tl.constexpr,
-    LORA_ALIGN: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -74,37 +47,25 @@ def _silu_mul_kernel(
         lora_up = tl.load(lora_ptr + row * stride_l + width + cols, mask=mask, other=0.0)
         gate = (gate.to(tl.float32) + lora_gate).to(gate.dtype)
         up = (up.to(tl.float32) + lora_up).to(up.dtype)
-    if LORA_FACTORS:  # the same, the terms expanded for these columns of gate (slice 0) and up (slice 1)
-        lora_gate = lora_term(lora_y_ptr, lora_pool_ptr, lora_b_offs_ptr, lora_ranks_ptr, lora_scalings_ptr,
-                              lora_slots_ptr, row, 0, cols, width, lora_stride_ys, lora_stride_ym, lora_stride_yr,
-                              lora_stride_bs, lora_stride_bslot, lora_stride_br, lora_stride_rs, lora_stride_rslot,
-                              lora_stride_ss, lora_stride_sslot, LORA_BLOCK_R, LORA_ALIGN)  # fmt: skip
-        lora_up = lora_term(lora_y_ptr, lora_pool_ptr, lora_b_offs_ptr, lora_ranks_ptr, lora_scalings_ptr,
-                            lora_slots_ptr, row, 1, cols, width, lora_stride_ys, lora_stride_ym, lora_stride_yr,
-                            lora_stride_bs, lora_stride_bslot, lora_stride_br, lora_stride_rs, lora_stride_rslot,
-                            lora_stride_ss, lora_stride_sslot, LORA_BLOCK_R, LORA_ALIGN)  # fmt: skip
-        gate = (gate.to(tl.float32) + lora_gate).to(gate.dtype)
-        up = (up.to(tl.float32) + lora_up).to(up.dtype)
     g = gate.to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # rounded as F.silu's result is
     y = (silu.to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor, lora_delta: torch.Tensor | LoraFactors | None = None) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, lora_delta: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(gate_up[:, :I]) * gate_up[:, I:]`` as a new contiguous [T, I] tensor.
 
     Semantics::
 
-        if lora_delta is not None:                           # factors: lora_delta.materialize()
+        if lora_delta is not None:
             gate_up = (gate_up.float() + lora_delta).to(dtype)
         gate, up = gate_up.split(I, dim=-1)                  # I = gate_up.shape[1] // 2
         out = (F.silu(gate.float()).to(dtype).float() * up.float()).to(dtype)
 
     Args:
         gate_up: [T, 2 * I] fp16/bf16/fp32, unit column stride (any row stride).
-        lora_delta: optional: gate_up's LoRA term, a float32 [T, 2 * I] buffer with unit column stride, or its
-            ``LoraFactors`` (slices of widths (I, I)), expanded here.
+        lora_delta: optional float32 [T, 2 * I]: gate_up's LoRA term, unit column stride.
 
     Returns:
         out [T, I], contiguous, of gate_up's dtype.
@@ -115,25 +76,18 @@ def silu_mul(gate_up: torch.Tensor, lora_delta: torch.Tensor | LoraFactors | Non
         raise ValueError(f"gate_up must have an even number of columns (gate then up), got {both}")
     if gate_up.stride(1) != 1:
         raise ValueError(f"gate_up must have unit stride along its columns, got strides {gate_up.stride()}")
-    width = both // 2
-    factors = lora_delta if isinstance(lora_delta, LoraFactors) else None
-    if factors is not None:
-        factors.check(num_rows, (width, width), gate_up.device)
-        lora_delta = None
     if lora_delta is not None:
         check_tensor("lora_delta", lora_delta, dtype=torch.float32, dims=2, device=gate_up.device)
         check_shape("lora_delta", lora_delta, (num_rows, both))
         if lora_delta.stride(1) != 1:
             raise ValueError(f"lora_delta must have unit stride along its columns, got strides {lora_delta.stride()}")
+    width = both // 2
     out = torch.empty((num_rows, width), dtype=gate_up.dtype, device=gate_up.device)
     if num_rows == 0 or width == 0:
         return out
     block = min(BLOCK, triton.next_power_of_2(width))
-    lora_meta = factors.kernel_meta() if factors is not None else {"LORA_BLOCK_R": 1, "LORA_ALIGN": 1}
-    relaunch = relauncher(_silu_mul_kernel, HAS_LORA=lora_delta is not None, LORA_FACTORS=factors is not None,
-                          **lora_meta, BLOCK=block, num_warps=4)
+    relaunch = relauncher(_silu_mul_kernel, HAS_LORA=lora_delta is not None, BLOCK=block, num_warps=4)
     lora = lora_delta if lora_delta is not None else gate_up
-    factor_args = factors.kernel_args() if factors is not None else (gate_up,) * 6 + (0,) * 10
-    relaunch((num_rows, cdiv(width, block)), gate_up, lora, *factor_args, out, width, gate_up.stride(0),
-             lora.stride(0), out.stride(0))
+    relaunch((num_rows, cdiv(width, block)), gate_up, lora, out, width, gate_up.stride(0), lora.stride(0),
+             out.stride(0))
     return out

@@ -193,10 +193,6 @@ def main() -> None:
                     help="with the side stream, captured steps run each LoRA expand whose consumer is a fused kernel "
                          "beside the base GEMM too, the consumer adding its term (on), or in place after the GEMM "
                          "(off); comma-separated: each in turn")
-    ap.add_argument("--expand-in-consumer", default="on",
-                    help="with the expand deferred, the residual add + RMSNorm and silu * up kernels expand o's, "
-                         "down's and gate/up's LoRA terms themselves from the shrink's output (on), or add the "
-                         "term the expand wrote into an fp32 buffer (off); comma-separated: each in turn")
     ap.add_argument("--base-gemm", default="torch",
                     help="the base layers' GEMMs and the LM head (EngineConfig.base_gemm): torch (cuBLAS) or triton "
                          "(kernels/skinny_gemm.py, split-K); comma-separated: each in turn")
@@ -242,9 +238,6 @@ def main() -> None:
     defers = args.defer_expand.split(",")
     if not set(defers) <= {"on", "off"}:
         ap.error(f"--defer-expand takes on and/or off, got {args.defer_expand!r}")
-    consumers = args.expand_in_consumer.split(",")
-    if not set(consumers) <= {"on", "off"}:
-        ap.error(f"--expand-in-consumer takes on and/or off, got {args.expand_in_consumer!r}")
     base_gemms = args.base_gemm.split(",")
     if not set(base_gemms) <= set(BASE_GEMMS):
         ap.error(f"--base-gemm takes {' and/or '.join(BASE_GEMMS)}, got {args.base_gemm!r}")
@@ -258,28 +251,26 @@ def main() -> None:
     kv_bytes = args.batch * (args.context + 1) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
     rows = []
     capture_s = {}
-    variants = [(form, rope_kv, side, defer, consumer, gemm) for form in forms for rope_kv in rope_kvs
-                for side in side_streams for defer in defers for consumer in consumers for gemm in base_gemms]
+    variants = [(form, rope_kv, side, defer, gemm) for form in forms for rope_kv in rope_kvs for side in side_streams
+                for defer in defers for gemm in base_gemms]
     captured = []  # every variant's graphs, captured first and kept: the rounds then time them in turn
-    for form, rope_kv, side, defer, consumer, gemm in variants:
+    for form, rope_kv, side, defer, gemm in variants:
         model.fuse_rope_kv = rope_kv == "fused"
         lora_batch.SIDE_STREAM = side == "on"
         lora_batch.DEFER_EXPAND = defer == "on"
-        lora_batch.EXPAND_IN_CONSUMER = consumer == "on"
         model.base_gemm = gemm
         graphs = DecodeGraphs(model, kv, scratch, args.batch, blocks, max(max(counts), 1), args.rank,
                               decode_form=form)
-        label = (f"{form}, rope+kv {rope_kv}, side stream {side}, defer expand {defer}, expand in consumer "
-                 f"{consumer}, base gemm {gemm}")
+        label = f"{form}, rope+kv {rope_kv}, side stream {side}, defer expand {defer}, base gemm {gemm}"
         print(f"LoRA kernels of the decode step: {form}; RoPE + KV write: {rope_kv}; LoRA side stream: {side}; "
-              f"deferred expand: {defer}; expand in the consumer: {consumer}; base GEMMs: {gemm}", flush=True)
+              f"deferred expand: {defer}; base GEMMs: {gemm}", flush=True)
         graphs.buckets = [args.batch]
         t0 = time.perf_counter()
         graphs._reset_padding(args.batch)
         graphs._capture(args.batch, True)
         graphs._capture(args.batch, False)
         capture_s[label] = round(time.perf_counter() - t0, 1)
-        captured.append(((form, rope_kv, side, defer, consumer, gemm), label, graphs))
+        captured.append(((form, rope_kv, side, defer, gemm), label, graphs))
 
     def replay(graphs: DecodeGraphs, n: int):
         """One decode step of the batch over n distinct adapters (0: base only, the graph without LoRA)."""
@@ -296,7 +287,7 @@ def main() -> None:
         for _, label, graphs in captured:
             for n in counts:
                 times.setdefault((label, n), []).append(time_ms(replay(graphs, n), args.iters))
-    for (form, rope_kv, side, defer, consumer, gemm), label, graphs in captured:
+    for (form, rope_kv, side, defer, gemm), label, graphs in captured:
         for n in counts:
             if args.profile:
                 try:
@@ -311,7 +302,6 @@ def main() -> None:
                     "rope_kv": rope_kv,
                     "side_stream": side,
                     "defer_expand": defer,
-                    "expand_in_consumer": consumer,
                     "base_gemm": gemm,
                     "adapters": n,
                     "step_ms": round(step_ms, 3),
@@ -346,11 +336,10 @@ def main() -> None:
     (Path(args.out) / "decode_step.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
     print(f"{'adapters':>8} {'step ms':>8} {'floor ms':>9} {'x floor':>8} {'tok/s':>9} {'vs base':>8}  LoRA kernels, "
-          "RoPE + KV write, LoRA side stream, deferred expand, expand in consumer, base GEMMs")
+          "RoPE + KV write, LoRA side stream, deferred expand, base GEMMs")
 
     def variant(r: dict) -> tuple[str, ...]:
-        return (r["lora_kernels"], r["rope_kv"], r["side_stream"], r["defer_expand"], r["expand_in_consumer"],
-                r["base_gemm"])
+        return r["lora_kernels"], r["rope_kv"], r["side_stream"], r["defer_expand"], r["base_gemm"]
 
     base_ms = {variant(r): r["step_ms"] for r in rows if r["adapters"] == 0}
     for r in rows:

@@ -260,12 +260,10 @@ def moe_pair_launches(tokens: int = 64, distinct: int = 8, rank: int = 16) -> No
 
 def other_launches(batch: int = 64, seq: int = 1024) -> None:
     """Paged decode attention (32 q / 8 kv heads, d 128, page 16), add+RMSNorm, silu*mul and RoPE + KV write at the
-    8B shapes; the last three also with a deferred LoRA term (``lora_delta``) to add, and with the term's factors
-    (``LoraFactors``, 16 adapters of rank 16, rows on 16 bytes) to expand themselves."""
+    8B shapes; the last three also with a deferred LoRA term (``lora_delta``) to add."""
     import torch
 
     from kernels.add_rms_norm import add_rms_norm
-    from kernels.lora_term import LoraFactors
     from kernels.paged_attention import paged_decode_attention
     from kernels.rope_kv import rope_kv_write
     from kernels.silu_mul import silu_mul
@@ -295,22 +293,6 @@ def other_launches(batch: int = 64, seq: int = 1024) -> None:
                       torch.zeros(batch, dtype=torch.int64), cos, torch.empty_like(cos),
                       pool.view(-1, num_layers, 2, page, nkv, d), 5, torch.arange(batch, dtype=torch.int64), 32,
                       lora_delta=term(qkv, deferred))
-
-    def factors(widths: tuple[int, ...], distinct: int = 16, rank: int = 16) -> LoraFactors:
-        ns, width = len(widths), max(widths)
-        rows = torch.arange(ns * distinct * rank, dtype=torch.int64).view(ns, distinct, rank) * width
-        pool = torch.empty(ns * distinct * rank * width, dtype=torch.bfloat16)
-        ranks, scalings = torch.full((ns, distinct), rank, dtype=torch.int32), torch.full((ns, distinct), 0.5)
-        slots = (torch.arange(batch) % distinct).to(torch.int32)
-        return LoraFactors(torch.empty(ns, batch, rank), pool, rows, ranks, scalings, slots, widths)
-
-    add_rms_norm(hidden, torch.empty_like(hidden), torch.empty(4096, dtype=torch.bfloat16), 1e-5,
-                 lora_delta=factors((4096,)))
-    silu_mul(gate_up, factors((14336, 14336)))
-    rope_kv_write(qkv[:, : 40 * d].view(batch, 40, d), qkv[:, 40 * d:].view(batch, nkv, d),
-                  torch.zeros(batch, dtype=torch.int64), cos, torch.empty_like(cos),
-                  pool.view(-1, num_layers, 2, page, nkv, d), 5, torch.arange(batch, dtype=torch.int64), 32,
-                  lora_delta=factors((32 * d, nkv * d, nkv * d)))
 
 
 def gemm_launches(rows: int = 64, dtype: str = "bfloat16") -> None:

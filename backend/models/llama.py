@@ -199,12 +199,10 @@ class LlamaModel:
         cfg = self.cfg
         fused_act = self.use_kernels and self.fuse_silu_mul
         gate_up, gate_up_lora = self._project(x, w.gate_up, w.gate_up_bias, i, lora, GATE_UP,
-                                              (cfg.intermediate_size,) * 2, defer=fused_act, consumer_expands=True)
+                                              (cfg.intermediate_size,) * 2, defer=fused_act)
         act = self._silu_mul(gate_up, gate_up_lora)
-        # the last layer's down term is added by torch ops (forward), which take it written out
         down, down_lora = self._project(act, w.down, w.down_bias if self.comm is None else None, i, lora,
-                                        ("down_proj",), (cfg.hidden_size,), defer=self._adds_row_parallel_lora(),
-                                        consumer_expands=i + 1 < len(self.layers))
+                                        ("down_proj",), (cfg.hidden_size,), defer=self._adds_row_parallel_lora())
         return self._reduce(down, w.down_bias), down_lora
 
     def _adds_row_parallel_lora(self) -> bool:
@@ -214,12 +212,11 @@ class LlamaModel:
 
     def _project(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, i: int,
                  lora: LoraBatch | None, modules: tuple[str, ...], widths: tuple[int, ...],
-                 defer: bool = False, consumer_expands: bool = False) -> Projected:
+                 defer: bool = False) -> Projected:
         """(x @ weight^T (+ bias) with layer i's LoRA of ``modules`` added, None); or, with ``defer`` (the caller's
         consumer adds a LoraDelta) where the LoraBatch allows it, (the base output, its LoRA term computed beside
-        the GEMM, or with ``consumer_expands`` (the consumer kernel takes ``LoraFactors``) left as its factors).
-        On the kernel path the shrink is launched before the base GEMM (it needs only x: captured decode steps run
-        it on a side stream beside the GEMM, and the deferred expand after it)."""
+        the GEMM). On the kernel path the shrink is launched before the base GEMM (it needs only x: captured decode
+        steps run it on a side stream beside the GEMM, and the deferred expand after it)."""
         if lora is None:
             return self._linear(x, weight, bias), None
         if not lora.use_kernels:
@@ -228,7 +225,7 @@ class LlamaModel:
             return out, None
         pending = lora.shrink(x, i, modules)
         if defer and lora.defers_expand(x, widths):
-            term = lora.expand_deferred(pending, widths, consumer_expands)
+            term = lora.expand_deferred(pending, widths)
             return self._linear(x, weight, bias), term
         out = self._linear(x, weight, bias)
         lora.expand(pending, out, widths)
@@ -279,8 +276,7 @@ class LlamaModel:
         T = x.shape[0]
         q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         fused_rope = self.use_kernels and self.fuse_rope_kv
-        qkv, qkv_lora = self._project(x, w.qkv, w.qkv_bias, i, lora, QKV, (q_out, kv_out, kv_out), defer=fused_rope,
-                                      consumer_expands=True)
+        qkv, qkv_lora = self._project(x, w.qkv, w.qkv_bias, i, lora, QKV, (q_out, kv_out, kv_out), defer=fused_rope)
         # q and k heads side by side ([T, nh + nkv, d], a view of qkv): one norm and one rotation for both
         qk = qkv[:, : q_out + kv_out].view(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
         v = qkv[:, q_out + kv_out:].view(T, cfg.num_kv_heads, cfg.head_dim)
@@ -305,7 +301,7 @@ class LlamaModel:
             attend(q, out, i, kv.storage, batch.prefill_groups, self.scale)
         attn = out.view(T, q_out)
         o, o_lora = self._project(attn, w.o, w.o_bias if self.comm is None else None, i, lora, ("o_proj",),
-                                  (cfg.hidden_size,), defer=self._adds_row_parallel_lora(), consumer_expands=True)
+                                  (cfg.hidden_size,), defer=self._adds_row_parallel_lora())
         return self._reduce(o, w.o_bias), o_lora
 
     def _decode_attention(self, q: torch.Tensor, out: torch.Tensor, layer: int, decode: DecodeRows,

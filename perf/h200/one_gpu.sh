@@ -40,8 +40,6 @@
 #   bash perf/h200/one_gpu.sh rounds $OUT    # the older one-process A/Bs re-timed in interleaved rounds (timed one
 #                                            # after the other they were not established): LoRA side stream on /
 #                                            # off, RoPE + KV write fused / torch, base GEMMs torch / triton ~7 min
-#   bash perf/h200/one_gpu.sh consumer $OUT  # the consumers' own LoRA expand (add+RMSNorm, silu*mul): compiled tests,
-#                                            # decode step on / off in rounds, headline off / on / off    ~9.5 min
 #   bash perf/h200/one_gpu.sh timeline $OUT  # where the decode step's time goes (base work running / LoRA kernels
 #                                            # alone / idle) per variant: side stream x deferred expand, base
 #                                            # GEMMs torch / triton; 3 rounds each, profiled               ~5 min
@@ -53,7 +51,7 @@
 #                                            # concurrency 16 and request rates PA_RATES                    ~8 min
 # DECODE_LORA (bgmv|sgmv) and PREFILL (sdpa|paged) pick the engine's kernels in the headline part.
 set -u
-PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, defer_ab, rounds, consumer, timeline, sanitize, headline, mixed, final, profile or server}
+PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, defer_ab, rounds, timeline, sanitize, headline, mixed, final, profile or server}
 OUT=${2:-/tmp/h200}
 ROOT=$PWD
 BASE=${BASE:-$ROOT/.baseline_s9}
@@ -373,33 +371,6 @@ rounds)
       echo "== $(basename "$f" .txt)"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$f" | cut -c1-200
     done
   } > "$OUT/rounds.txt" 2>&1
-  ;;
-consumer)
-  # the consumers' own expand (kernels/lora_term.py: add+RMSNorm and silu*mul expand o's, down's and gate/up's
-  # terms from the shrink's output, no expand launch, no fp32 buffer): compiled tests, decode step on / off in 3
-  # interleaved rounds (profiled after), the headline at n = 5, 100 with it off, on, then off again
-  compiled_tests 170 \
-    tests/kernels/test_lora_term.py tests/kernels/test_add_rms_norm.py tests/kernels/test_silu_mul.py \
-    tests/kernels/test_lora_batch.py tests/kernels/test_engine_kernels.py tests/kernels/test_step_graphs.py \
-    -k "lora_term or factors or deferred or (replay_equals_eager and bgmv) or mixed_steps"
-  PYTHONPATH=$ROOT timeout 170 python3 -m perf.bench_decode_step --expand-in-consumer on,off --rounds 3 --profile \
-    --out "$W/step" > "$W/step.txt" 2>&1
-  stamp "decode step: expand in the consumer on / off, 3 rounds, profiled" $?
-  MANYLORA_LORA_EXPAND_IN_CONSUMER=0 headline headline_off 120 --adapters 5 100
-  stamp "headline, expand in the consumer off" $?
-  headline headline_on 120 --adapters 5 100
-  stamp "headline, expand in the consumer on" $?
-  left=$((570 - ($(date +%s) - T0)))
-  if [ "$left" -gt 90 ]; then
-    MANYLORA_LORA_EXPAND_IN_CONSUMER=0 headline headline_off2 "$left" --adapters 5 100
-    stamp "headline, expand in the consumer off again" $?
-  fi
-  rm -rf "$W/work"
-  {
-    summary_head
-    echo "== decode step"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth|^-- |per step:|waited" "$W/step.txt" | cut -c1-200
-    for h in headline_off headline_on headline_off2; do [ -f "$W/$h/summary.md" ] && headline_lines "$h"; done
-  } > "$OUT/consumer.txt" 2>&1
   ;;
 timeline)
   # where the captured decode step's time goes (perf/stream_timeline.py, from each profile): base work running, LoRA

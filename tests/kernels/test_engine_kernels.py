@@ -71,29 +71,21 @@ def test_kernel_path_matches_peft(tmp_path, device, family, prefill_attention, f
         engine.shutdown()
 
 
-@pytest.mark.parametrize("family, in_consumer", [("llama", True), ("qwen3", True), ("llama", False)])
-def test_deferred_expand_matches_peft(tmp_path, device, family, in_consumer, monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_deferred_expand_matches_peft(tmp_path, device, family, monkeypatch):
     """Every expand of the small steps deferred (as captured decode steps defer them, here forced in eager steps):
     q/k/v's LoRA term added by the RoPE + KV write kernel (Qwen3: before its q/k norm), o_proj's and down_proj's by
-    the residual add + RMSNorm, gate/up's by silu * up; mixed adapters, ranks and base-only rows, against PEFT. With
-    ``in_consumer`` the three kernels expand the terms themselves from their factors (all but the last layer's down,
-    which torch ops add); without, every term is written out by the expand first."""
+    the residual add + RMSNorm, gate/up's by silu * up; mixed adapters, ranks and base-only rows, against PEFT."""
     from backend.lora_batch import LoraBatch
-    from kernels.lora_term import LoraFactors
 
     deferred: list[tuple[int, ...]] = []
-    as_factors: list[tuple[int, ...]] = []
     expand_deferred = LoraBatch.expand_deferred
 
-    def counted(self, pending, widths, consumer_expands=False):
+    def counted(self, pending, widths):
         deferred.append(widths)
-        term = expand_deferred(self, pending, widths, consumer_expands)
-        if isinstance(term.term, LoraFactors):
-            as_factors.append(widths)
-        return term
+        return expand_deferred(self, pending, widths)
 
     monkeypatch.setattr(LoraBatch, "defer_expand", True)
-    monkeypatch.setattr(LoraBatch, "expand_in_consumer", in_consumer)
     monkeypatch.setattr(LoraBatch, "expand_deferred", counted)
     extra = {"qwen3": {"head_dim": 24}}.get(family, {})
     base = make_base(tmp_path / "base", family, seed=37, **extra)
@@ -115,7 +107,6 @@ def test_deferred_expand_matches_peft(tmp_path, device, family, in_consumer, mon
     qkv = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
     widths = {qkv, (cfg.hidden_size,), (cfg.intermediate_size,) * 2}
     assert set(deferred) == widths, "every projection's expand must have been deferred"
-    assert set(as_factors) == (widths if in_consumer else set())
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

@@ -49,11 +49,9 @@ def test_lora_batch_shrink_scratch(device):
 
 def test_lora_batch_deferred_expand(device, monkeypatch):
     """``expand_deferred``: the LoRA term alone in a new fp32 buffer (zero for base-only tokens), which added to the
-    base output gives what the in-place expand gives, or for a consumer that expands it, its factors; deferred only
-    on the BGMV path and under the buffer cap."""
+    base output gives what the in-place expand gives; deferred only on the BGMV path and under the buffer cap."""
     import backend.lora_batch as lora_batch
     from backend.lora_batch import LoraBatch
-    from kernels.lora_term import LoraFactors
 
     case = make_case(seed_of("deferred"), 13, 72, [40, 24], "some_none", device, align=4)
     row_offsets, ranks, scalings = step_tables(case, 1, device)
@@ -68,26 +66,15 @@ def test_lora_batch_deferred_expand(device, monkeypatch):
     base = torch.randn(13, 64, generator=case.gen)
     lora.begin_forward(13)
     term = lora.expand_deferred(lora.shrink(case.x, 0, modules), widths)
-    assert term.term.dtype == torch.float32 and term.term.shape == (13, 64)
+    assert term.values.dtype == torch.float32 and term.values.shape == (13, 64)
     in_place = base.to(device, copy=True)
     lora.begin_forward(13)
     lora.apply(case.x, in_place, 0, modules, widths)
     got = base.to(device, copy=True)
     torch.testing.assert_close(term.add_into(got).cpu(), in_place.cpu(), rtol=1e-6, atol=1e-5)
-    assert (term.term.cpu()[case.token_slots.cpu() < 0] == 0).all()
+    assert (term.values.cpu()[case.token_slots.cpu() < 0] == 0).all()
     _, delta = dense_lora(case)
     torch.testing.assert_close(got.cpu(), base + delta, **TOL)
-    # a consumer that expands the term itself gets its factors, no launch: they are that term
-    lora.begin_forward(13)
-    factors = lora.expand_deferred(lora.shrink(case.x, 0, modules), widths, consumer_expands=True)
-    assert isinstance(factors.term, LoraFactors) and factors.term.widths == widths
-    torch.testing.assert_close(factors.term.materialize().cpu(), term.term.cpu(), rtol=1e-6, atol=1e-6)
-    got = base.to(device, copy=True)
-    torch.testing.assert_close(factors.add_into(got).cpu(), in_place.cpu(), rtol=1e-6, atol=1e-5)
-    lora.expand_in_consumer = False
-    lora.begin_forward(13)
-    written = lora.expand_deferred(lora.shrink(case.x, 0, modules), widths, consumer_expands=True)
-    assert isinstance(written.term, torch.Tensor), "expand_in_consumer off: the buffer for every consumer"
     segmented = LoraBatch.from_tables(case.token_slots, row_offsets, ranks, scalings, case.pool, decode_form="sgmv")
     segmented.defer_expand = True
     segmented.begin_forward(13)
