@@ -64,6 +64,11 @@ DEFER_EXPAND = os.environ.get("MANYLORA_LORA_DEFER_EXPAND", "1").strip().lower()
 # columns) and small mixed steps defer; a mixed step of thousands of tokens would take GBs beside the pool
 # (sizing.GPU_MARGIN_BYTES is all the room the largest step's activations have) and adds in place instead.
 DEFER_EXPAND_MAX_BYTES = 32 << 20
+# Where the side-stream shrink's node goes in a captured step: before its base GEMM (the default), or after it, waiting
+# on the point where the GEMM's input was ready, so that the GEMM is the branch launched first and the shrink's
+# programs fill the SMs the GEMM leaves (before it, the shrink's grid fills the GPU and the GEMM starts when it is
+# done); MANYLORA_LORA_SHRINK_AFTER_GEMM=1 (perf/bench_decode_step.py --shrink-order times both)
+SHRINK_AFTER_GEMM = os.environ.get("MANYLORA_LORA_SHRINK_AFTER_GEMM", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
 @dataclass
@@ -286,10 +291,23 @@ class LoraBatch:
                 self._apply_torch(x, out[:, col:col + width], layer, first + i)
                 col += width
 
-    def shrink(self, x: torch.Tensor, layer: int, modules: tuple[str, ...]) -> PendingShrink:
+    def fork(self, x: torch.Tensor) -> torch.cuda.Event | None:
+        """Where a shrink launched after its base GEMM starts from (``SHRINK_AFTER_GEMM``, inside a capture with the
+        side stream): an event recorded on the current stream now, where x is ready; callers launch the GEMM, then
+        ``shrink(..., after=event)``. None: launch the shrink first, as usual."""
+        if not (SHRINK_AFTER_GEMM and _overlaps(x)):
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(x.device))
+        return event
+
+    def shrink(self, x: torch.Tensor, layer: int, modules: tuple[str, ...],
+               after: torch.cuda.Event | None = None) -> PendingShrink:
         """Kernel path, first half of ``apply``: launch the shrink of ``modules`` for input x [T, in]. It needs only x,
         so callers launch it before the base projection; inside a CUDA-graph capture it runs on a side stream, beside
-        the base GEMM (the decode step's graph gets the two as parallel branches). ``expand`` joins it."""
+        the base GEMM (the decode step's graph gets the two as parallel branches). ``expand`` joins it. ``after``
+        (``fork``'s event): the side stream starts from that point instead of from the current stream's end, so the
+        shrink can be captured after the GEMM and still run beside it."""
         from kernels.lora_shrink import prepare_shrink
 
         first, n = MODULE_INDEX[modules[0]], len(modules)
@@ -300,7 +318,9 @@ class LoraBatch:
         else:
             scratch, y = None, torch.empty((n, x.shape[0], self.max_rank), dtype=torch.float32, device=x.device)
         side = _side_stream(x) if _overlaps(x) else None
-        if side is not None:
+        if side is not None and after is not None:
+            side.wait_event(after)
+        elif side is not None:
             side.wait_stream(torch.cuda.current_stream(x.device))
         tables, ranks = self.row_offsets[layer, mods, 0], self.ranks[layer, mods]
         # every layer launches the same shapes with this batch's slots and segments: checked and configured once

@@ -193,6 +193,10 @@ def main() -> None:
                     help="with the side stream, captured steps run each LoRA expand whose consumer is a fused kernel "
                          "beside the base GEMM too, the consumer adding its term (on), or in place after the GEMM "
                          "(off); comma-separated: each in turn")
+    ap.add_argument("--shrink-order", default="before",
+                    help="with the side stream, each shrink's node captured before its base GEMM's (before) or after "
+                         "it, from the same point (after: the GEMM launched first; LoraBatch.fork); comma-separated: "
+                         "each in turn")
     ap.add_argument("--base-gemm", default="torch",
                     help="the base layers' GEMMs and the LM head (EngineConfig.base_gemm): torch (cuBLAS) or triton "
                          "(kernels/skinny_gemm.py, split-K); comma-separated: each in turn")
@@ -238,6 +242,9 @@ def main() -> None:
     defers = args.defer_expand.split(",")
     if not set(defers) <= {"on", "off"}:
         ap.error(f"--defer-expand takes on and/or off, got {args.defer_expand!r}")
+    orders = args.shrink_order.split(",")
+    if not set(orders) <= {"before", "after"}:
+        ap.error(f"--shrink-order takes before and/or after, got {args.shrink_order!r}")
     base_gemms = args.base_gemm.split(",")
     if not set(base_gemms) <= set(BASE_GEMMS):
         ap.error(f"--base-gemm takes {' and/or '.join(BASE_GEMMS)}, got {args.base_gemm!r}")
@@ -251,26 +258,28 @@ def main() -> None:
     kv_bytes = args.batch * (args.context + 1) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
     rows = []
     capture_s = {}
-    variants = [(form, rope_kv, side, defer, gemm) for form in forms for rope_kv in rope_kvs for side in side_streams
-                for defer in defers for gemm in base_gemms]
+    variants = [(form, rope_kv, side, defer, order, gemm) for form in forms for rope_kv in rope_kvs
+                for side in side_streams for defer in defers for order in orders for gemm in base_gemms]
     captured = []  # every variant's graphs, captured first and kept: the rounds then time them in turn
-    for form, rope_kv, side, defer, gemm in variants:
+    for form, rope_kv, side, defer, order, gemm in variants:
         model.fuse_rope_kv = rope_kv == "fused"
         lora_batch.SIDE_STREAM = side == "on"
         lora_batch.DEFER_EXPAND = defer == "on"
+        lora_batch.SHRINK_AFTER_GEMM = order == "after"
         model.base_gemm = gemm
         graphs = DecodeGraphs(model, kv, scratch, args.batch, blocks, max(max(counts), 1), args.rank,
                               decode_form=form)
-        label = f"{form}, rope+kv {rope_kv}, side stream {side}, defer expand {defer}, base gemm {gemm}"
+        label = (f"{form}, rope+kv {rope_kv}, side stream {side}, defer expand {defer}, shrink {order} gemm, "
+                 f"base gemm {gemm}")
         print(f"LoRA kernels of the decode step: {form}; RoPE + KV write: {rope_kv}; LoRA side stream: {side}; "
-              f"deferred expand: {defer}; base GEMMs: {gemm}", flush=True)
+              f"deferred expand: {defer}; shrink captured {order} its GEMM; base GEMMs: {gemm}", flush=True)
         graphs.buckets = [args.batch]
         t0 = time.perf_counter()
         graphs._reset_padding(args.batch)
         graphs._capture(args.batch, True)
         graphs._capture(args.batch, False)
         capture_s[label] = round(time.perf_counter() - t0, 1)
-        captured.append(((form, rope_kv, side, defer, gemm), label, graphs))
+        captured.append(((form, rope_kv, side, defer, order, gemm), label, graphs))
 
     def replay(graphs: DecodeGraphs, n: int):
         """One decode step of the batch over n distinct adapters (0: base only, the graph without LoRA)."""
@@ -287,7 +296,7 @@ def main() -> None:
         for _, label, graphs in captured:
             for n in counts:
                 times.setdefault((label, n), []).append(time_ms(replay(graphs, n), args.iters))
-    for (form, rope_kv, side, defer, gemm), label, graphs in captured:
+    for (form, rope_kv, side, defer, order, gemm), label, graphs in captured:
         for n in counts:
             if args.profile:
                 try:
@@ -302,6 +311,7 @@ def main() -> None:
                     "rope_kv": rope_kv,
                     "side_stream": side,
                     "defer_expand": defer,
+                    "shrink_order": order,
                     "base_gemm": gemm,
                     "adapters": n,
                     "step_ms": round(step_ms, 3),
@@ -336,10 +346,11 @@ def main() -> None:
     (Path(args.out) / "decode_step.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
     print(f"{'adapters':>8} {'step ms':>8} {'floor ms':>9} {'x floor':>8} {'tok/s':>9} {'vs base':>8}  LoRA kernels, "
-          "RoPE + KV write, LoRA side stream, deferred expand, base GEMMs")
+          "RoPE + KV write, LoRA side stream, deferred expand, shrink order, base GEMMs")
 
     def variant(r: dict) -> tuple[str, ...]:
-        return r["lora_kernels"], r["rope_kv"], r["side_stream"], r["defer_expand"], r["base_gemm"]
+        return (r["lora_kernels"], r["rope_kv"], r["side_stream"], r["defer_expand"], r["shrink_order"],
+                r["base_gemm"])
 
     base_ms = {variant(r): r["step_ms"] for r in rows if r["adapters"] == 0}
     for r in rows:

@@ -216,18 +216,24 @@ class LlamaModel:
         """(x @ weight^T (+ bias) with layer i's LoRA of ``modules`` added, None); or, with ``defer`` (the caller's
         consumer adds a LoraDelta) where the LoraBatch allows it, (the base output, its LoRA term computed beside
         the GEMM). On the kernel path the shrink is launched before the base GEMM (it needs only x: captured decode
-        steps run it on a side stream beside the GEMM, and the deferred expand after it)."""
+        steps run it on a side stream beside the GEMM, and the deferred expand after it), or, captured with
+        ``SHRINK_AFTER_GEMM``, right after the GEMM and from the same point (``LoraBatch.fork``)."""
         if lora is None:
             return self._linear(x, weight, bias), None
         if not lora.use_kernels:
             out = self._linear(x, weight, bias)
             lora.apply(x, out, i, modules, widths)
             return out, None
-        pending = lora.shrink(x, i, modules)
+        fork = lora.fork(x)
+        if fork is not None:  # the GEMM's node first, the shrink's beside it (LoraBatch.fork)
+            out = self._linear(x, weight, bias)
+            pending = lora.shrink(x, i, modules, after=fork)
+        else:
+            out, pending = None, lora.shrink(x, i, modules)
         if defer and lora.defers_expand(x, widths):
             term = lora.expand_deferred(pending, widths)
-            return self._linear(x, weight, bias), term
-        out = self._linear(x, weight, bias)
+            return (out if out is not None else self._linear(x, weight, bias)), term
+        out = out if out is not None else self._linear(x, weight, bias)
         lora.expand(pending, out, widths)
         return out, None
 

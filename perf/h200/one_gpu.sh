@@ -40,6 +40,8 @@
 #   bash perf/h200/one_gpu.sh rounds $OUT    # the older one-process A/Bs re-timed in interleaved rounds (timed one
 #                                            # after the other they were not established): LoRA side stream on /
 #                                            # off, RoPE + KV write fused / torch, base GEMMs torch / triton ~7 min
+#   bash perf/h200/one_gpu.sh order $OUT     # the side-stream shrink captured after its base GEMM: graph tests, decode
+#                                            # step before / after x base GEMMs torch / triton, headline  ~8.5 min
 #   bash perf/h200/one_gpu.sh timeline $OUT  # where the decode step's time goes (base work running / LoRA kernels
 #                                            # alone / idle) per variant: side stream x deferred expand, base
 #                                            # GEMMs torch / triton; 3 rounds each, profiled               ~5 min
@@ -51,7 +53,7 @@
 #                                            # concurrency 16 and request rates PA_RATES                    ~8 min
 # DECODE_LORA (bgmv|sgmv) and PREFILL (sdpa|paged) pick the engine's kernels in the headline part.
 set -u
-PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, defer_ab, rounds, timeline, sanitize, headline, mixed, final, profile or server}
+PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, defer_ab, rounds, order, timeline, sanitize, headline, mixed, final, profile or server}
 OUT=${2:-/tmp/h200}
 ROOT=$PWD
 BASE=${BASE:-$ROOT/.baseline_s9}
@@ -371,6 +373,26 @@ rounds)
       echo "== $(basename "$f" .txt)"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$f" | cut -c1-200
     done
   } > "$OUT/rounds.txt" 2>&1
+  ;;
+order)
+  # the side-stream shrink captured after its base GEMM (LoraBatch.fork, MANYLORA_LORA_SHRINK_AFTER_GEMM=1): the
+  # engine's graph tests with it, decode step before / after x base GEMMs torch / triton in 3 rounds (profiled
+  # after), the headline at n = 5, 100 with it, then without
+  MANYLORA_LORA_SHRINK_AFTER_GEMM=1 compiled_tests 110 tests/kernels/test_engine_kernels.py \
+    tests/kernels/test_step_graphs.py -k "(replay_equals_eager and bgmv) or mixed_steps or deferred"
+  PYTHONPATH=$ROOT timeout 180 python3 -m perf.bench_decode_step --shrink-order before,after \
+    --base-gemm torch,triton --rounds 3 --profile --out "$W/step" > "$W/step.txt" 2>&1
+  stamp "decode step: shrink before / after the GEMM x base GEMMs torch / triton, 3 rounds, profiled" $?
+  MANYLORA_LORA_SHRINK_AFTER_GEMM=1 headline headline_after 110 --adapters 5 100
+  stamp "headline, shrink after the GEMM" $?
+  headline headline_before "$(time_left 520 60)" --adapters 5 100
+  stamp "headline, shrink before the GEMM" $?
+  rm -rf "$W/work"
+  {
+    summary_head
+    echo "== decode step"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth|^-- |per step:|waited" "$W/step.txt" | cut -c1-200
+    for h in headline_after headline_before; do [ -f "$W/$h/summary.md" ] && headline_lines "$h"; done
+  } > "$OUT/order.txt" 2>&1
   ;;
 timeline)
   # where the captured decode step's time goes (perf/stream_timeline.py, from each profile): base work running, LoRA
