@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 # shrink (its K-split programs read a token's A rows in parallel) and the SGMV expand (a 16-row tile reads each
 # adapter's B rows once).
 DECODE_FORMS = ("bgmv", "sgmv", "hybrid")
-BASE_GEMMS = ("torch", "triton")  # EngineConfig.base_gemm
+BASE_GEMMS = ("torch", "triton", "auto")  # EngineConfig.base_gemm
 # set to 1: the segmented forms may run on CUDA (check_decode_form)
 EXPERIMENTAL_DECODE_FORMS = "MANYLORA_EXPERIMENTAL_DECODE_FORMS"
 
@@ -42,8 +42,10 @@ class EngineConfig:
         fuse_rope_kv: on the kernel path, each layer's q/k norm (Qwen3), rotary embedding and KV-cache write as one
             Triton kernel (off: torch ops).
         base_gemm: the base layers' GEMMs of steps of at most 128 tokens on the kernel path: "torch" (F.linear:
-            cuBLAS) or "triton" (``kernels/skinny_gemm.py``; 0.95-0.97x of cuBLAS at best on the H200, so
-            opt-in). Larger steps always take torch.
+            cuBLAS) or "triton" (``kernels/skinny_gemm.py``; 0.93-1.08x of cuBLAS at 64 rows on the H200, 0.48-0.88x
+            at 128, so opt-in); "auto": the Triton GEMM in CUDA-graph steps with adapters of at most 64 tokens,
+            each LoRA shrink captured after its GEMM (``LoraBatch.fork``; the pair's decode step measured 1.2-7.6%
+            faster than cuBLAS with the shrink first), cuBLAS everywhere else. Larger steps always take torch.
         prefill_attention: "sdpa" (each prefill chunk through torch's fused attention over its
             gathered cache) or "paged" (prefill tokens join the decode rows in the paged-attention
             kernel: one launch per layer for the whole step, no gathers; keys are re-read per query

@@ -291,11 +291,11 @@ class LoraBatch:
                 self._apply_torch(x, out[:, col:col + width], layer, first + i)
                 col += width
 
-    def fork(self, x: torch.Tensor) -> torch.cuda.Event | None:
-        """Where a shrink launched after its base GEMM starts from (``SHRINK_AFTER_GEMM``, inside a capture with the
-        side stream): an event recorded on the current stream now, where x is ready; callers launch the GEMM, then
-        ``shrink(..., after=event)``. None: launch the shrink first, as usual."""
-        if not (SHRINK_AFTER_GEMM and _overlaps(x)):
+    def fork(self, x: torch.Tensor, gemm_first: bool = False) -> torch.cuda.Event | None:
+        """Where a shrink launched after its base GEMM starts from (``SHRINK_AFTER_GEMM`` or ``gemm_first``, inside
+        a capture with the side stream): an event recorded on the current stream now, where x is ready; callers
+        launch the GEMM, then ``shrink(..., after=event)``. None: launch the shrink first, as usual."""
+        if not ((SHRINK_AFTER_GEMM or gemm_first) and _overlaps(x)):
             return None
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(x.device))

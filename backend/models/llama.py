@@ -26,6 +26,8 @@ from backend.step_batch import DecodeRows, StepBatch
 if TYPE_CHECKING:
     from backend.tensor_parallel import Comm
 
+# base_gemm "auto": the Triton GEMM for captured steps with adapters of at most this many tokens (measured at 64)
+AUTO_TRITON_MAX_ROWS = 64
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
 # a projection's output and, when its expand was deferred (``LoraBatch.expand_deferred``), its LoRA term: the one
@@ -87,7 +89,8 @@ class LlamaModel:
     decode attention kernel is chosen by the batch (``StepBatch.decode``). Each of those fused kernels adds the LoRA
     term of the projection it consumes when the LoraBatch deferred that projection's expand (``_project``).
     ``base_gemm`` "triton" takes the base layers' GEMMs (and the LM head's) of steps of at most ``MAX_SKINNY_ROWS``
-    tokens to ``kernels/skinny_gemm.py``.
+    tokens to ``kernels/skinny_gemm.py``; "auto" does so in CUDA-graph captures with a LoraBatch of at most
+    ``AUTO_TRITON_MAX_ROWS`` tokens, capturing each shrink after its GEMM (``_triton_gemm``).
     """
 
     use_kernels: bool = False
@@ -96,6 +99,7 @@ class LlamaModel:
     fuse_rope_kv: bool = True
     base_gemm: str = "torch"  # backend.config.BASE_GEMMS
     comm: Comm | None = None  # a tensor-parallel rank's collectives (backend/tp_runtime.py); None: one device
+    lora_capture: bool = False  # this forward is a CUDA-graph capture with a LoraBatch (set by forward)
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], max_len: int, device: str,
                  dtype: torch.dtype) -> None:
@@ -165,6 +169,8 @@ class LlamaModel:
     def forward(self, batch: StepBatch, kv: PagedKVCache, lora: LoraBatch | None) -> torch.Tensor:
         """Run the step; returns float32 logits [len(batch.logits_rows), vocab]."""
         self.prepare_step(batch, kv)
+        self.lora_capture = (isinstance(lora, LoraBatch) and batch.input_ids.is_cuda
+                             and torch.cuda.is_current_stream_capturing())
         if isinstance(lora, LoraBatch):
             lora.begin_forward(batch.input_ids.shape[0])
         h = self.embed[batch.input_ids]
@@ -224,7 +230,7 @@ class LlamaModel:
             out = self._linear(x, weight, bias)
             lora.apply(x, out, i, modules, widths)
             return out, None
-        fork = lora.fork(x)
+        fork = lora.fork(x, gemm_first=self.base_gemm == "auto" and self._triton_gemm(x.shape[0]))
         if fork is not None:  # the GEMM's node first, the shrink's beside it (LoraBatch.fork)
             out = self._linear(x, weight, bias)
             pending = lora.shrink(x, i, modules, after=fork)
@@ -237,13 +243,25 @@ class LlamaModel:
         lora.expand(pending, out, widths)
         return out, None
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ weight^T (+ bias): F.linear, or the split-K Triton GEMM for decode-sized steps (``base_gemm``)."""
-        if self.use_kernels and self.base_gemm == "triton":
-            from kernels.skinny_gemm import MAX_SKINNY_ROWS, skinny_linear
+    def _triton_gemm(self, rows: int) -> bool:
+        """Whether a base GEMM of ``rows`` tokens takes the split-K Triton kernel (``base_gemm``): "triton" up to
+        MAX_SKINNY_ROWS; "auto" up to AUTO_TRITON_MAX_ROWS inside a capture with a LoraBatch, where with the shrink
+        captured after it the decode step measured fastest (perf/results/2026-12-02-h200/24_order), and not above
+        (at 128 rows the kernel is 0.48-0.88x cuBLAS, 19_gemm) nor without adapters (cuBLAS as fast or faster)."""
+        if not self.use_kernels:
+            return False
+        if self.base_gemm == "triton":
+            from kernels.skinny_gemm import MAX_SKINNY_ROWS
 
-            if x.shape[0] <= MAX_SKINNY_ROWS:
-                return skinny_linear(x, weight, bias)
+            return rows <= MAX_SKINNY_ROWS
+        return self.base_gemm == "auto" and self.lora_capture and rows <= AUTO_TRITON_MAX_ROWS
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ weight^T (+ bias): F.linear, or the split-K Triton GEMM for decode-sized steps (``_triton_gemm``)."""
+        if self._triton_gemm(x.shape[0]):
+            from kernels.skinny_gemm import skinny_linear
+
+            return skinny_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
     def _silu_mul(self, gate_up: torch.Tensor, gate_up_lora: LoraDelta | None = None) -> torch.Tensor:

@@ -42,6 +42,7 @@
 #                                            # off, RoPE + KV write fused / torch, base GEMMs torch / triton ~7 min
 #   bash perf/h200/one_gpu.sh order $OUT     # the side-stream shrink captured after its base GEMM: graph tests, decode
 #                                            # step before / after x base GEMMs torch / triton, headline  ~8.5 min
+#   bash perf/h200/one_gpu.sh auto $OUT      # base_gemm auto against torch: the headline at n = 100, each   ~3.5 min
 #   bash perf/h200/one_gpu.sh timeline $OUT  # where the decode step's time goes (base work running / LoRA kernels
 #                                            # alone / idle) per variant: side stream x deferred expand, base
 #                                            # GEMMs torch / triton; 3 rounds each, profiled               ~5 min
@@ -53,7 +54,7 @@
 #                                            # concurrency 16 and request rates PA_RATES                    ~8 min
 # DECODE_LORA (bgmv|sgmv) and PREFILL (sdpa|paged) pick the engine's kernels in the headline part.
 set -u
-PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, defer_ab, rounds, order, timeline, sanitize, headline, mixed, final, profile or server}
+PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, defer_ab, rounds, order, auto, timeline, sanitize, headline, mixed, final, profile or server}
 OUT=${2:-/tmp/h200}
 ROOT=$PWD
 BASE=${BASE:-$ROOT/.baseline_s9}
@@ -393,6 +394,18 @@ order)
     echo "== decode step"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth|^-- |per step:|waited" "$W/step.txt" | cut -c1-200
     for h in headline_after headline_before; do [ -f "$W/$h/summary.md" ] && headline_lines "$h"; done
   } > "$OUT/order.txt" 2>&1
+  ;;
+auto)
+  # base_gemm "auto" (the Triton GEMM with the shrink after it in captured LoRA steps of <= 64 tokens, cuBLAS
+  # elsewhere) against the default, end to end: the headline at n = 100 with it, then without (a short call: what
+  # a session has left after the others)
+  headline headline_auto 100 --adapters 100 --base-gemm auto
+  stamp "headline, base_gemm auto" $?
+  headline headline_torch 100 --adapters 100
+  stamp "headline, base_gemm torch" $?
+  rm -rf "$W/work"
+  { summary_head; for h in headline_auto headline_torch; do [ -f "$W/$h/summary.md" ] && headline_lines "$h"; done
+  } > "$OUT/auto.txt" 2>&1
   ;;
 timeline)
   # where the captured decode step's time goes (perf/stream_timeline.py, from each profile): base work running, LoRA
