@@ -66,16 +66,22 @@ class AdapterTables:
 def capture_forward(model: LlamaModel, kv: PagedKVCache, batch: StepBatch, lora: LoraBatch | None,
                     pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """Two warm-up forwards of batch on a side stream (they compile kernels and fill launcher caches), then one
-    captured into a new graph in memory pool ``pool``; returns the graph and its logits (rewritten by each replay)."""
+    captured into a new graph in memory pool ``pool``; returns the graph and its logits (rewritten by each replay).
+    The model knows all three are for a graph (``LlamaModel.graph_forward``): the warm-ups take the kernels the
+    capture will (base_gemm "auto"), so that those make their workspaces outside the capture."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            model.forward(batch, kv, lora)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        logits = model.forward(batch, kv, lora)
+    model.graph_forward = True
+    try:
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                model.forward(batch, kv, lora)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = model.forward(batch, kv, lora)
+    finally:
+        model.graph_forward = False
     return graph, logits
 
 

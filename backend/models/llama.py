@@ -89,8 +89,8 @@ class LlamaModel:
     decode attention kernel is chosen by the batch (``StepBatch.decode``). Each of those fused kernels adds the LoRA
     term of the projection it consumes when the LoraBatch deferred that projection's expand (``_project``).
     ``base_gemm`` "triton" takes the base layers' GEMMs (and the LM head's) of steps of at most ``MAX_SKINNY_ROWS``
-    tokens to ``kernels/skinny_gemm.py``; "auto" does so in CUDA-graph captures with a LoraBatch of at most
-    ``AUTO_TRITON_MAX_ROWS`` tokens, capturing each shrink after its GEMM (``_triton_gemm``).
+    tokens to ``kernels/skinny_gemm.py``; "auto" does so in CUDA-graph captures (and their warm-ups) with a LoraBatch
+    of at most ``AUTO_TRITON_MAX_ROWS`` tokens, capturing each shrink after its GEMM (``_triton_gemm``).
     """
 
     use_kernels: bool = False
@@ -99,7 +99,8 @@ class LlamaModel:
     fuse_rope_kv: bool = True
     base_gemm: str = "torch"  # backend.config.BASE_GEMMS
     comm: Comm | None = None  # a tensor-parallel rank's collectives (backend/tp_runtime.py); None: one device
-    lora_capture: bool = False  # this forward is a CUDA-graph capture with a LoraBatch (set by forward)
+    graph_forward: bool = False  # the forwards are a CUDA-graph capture or its warm-ups (backend/cuda_graphs.py)
+    lora_capture: bool = False  # this forward is one of those, with a LoraBatch (set by forward)
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], max_len: int, device: str,
                  dtype: torch.dtype) -> None:
@@ -169,8 +170,7 @@ class LlamaModel:
     def forward(self, batch: StepBatch, kv: PagedKVCache, lora: LoraBatch | None) -> torch.Tensor:
         """Run the step; returns float32 logits [len(batch.logits_rows), vocab]."""
         self.prepare_step(batch, kv)
-        self.lora_capture = (isinstance(lora, LoraBatch) and batch.input_ids.is_cuda
-                             and torch.cuda.is_current_stream_capturing())
+        self.lora_capture = self.graph_forward and isinstance(lora, LoraBatch)
         if isinstance(lora, LoraBatch):
             lora.begin_forward(batch.input_ids.shape[0])
         h = self.embed[batch.input_ids]

@@ -146,6 +146,42 @@ def test_triton_base_gemm_matches_peft(tmp_path, device, family, monkeypatch):
     assert any(rows <= len(cases) for rows in rows_seen), rows_seen
 
 
+def test_auto_base_gemm_matches_peft(tmp_path, device, monkeypatch):
+    """base_gemm "auto": the split-K kernel only in CUDA-graph steps with adapters (their warm-ups included, which
+    make its workspaces outside the capture), each shrink captured after its GEMM; eager steps (all of them on the
+    CPU) and base-only graphs keep F.linear. Generations equal PEFT's either way."""
+    import kernels.skinny_gemm as skinny_gemm
+    from backend.models.llama import AUTO_TRITON_MAX_ROWS
+
+    rows_seen: list[int] = []
+    launch = skinny_gemm.skinny_linear
+
+    def counted(x, weight, bias=None, config=None):
+        rows_seen.append(x.shape[0])
+        return launch(x, weight, bias, config)
+
+    monkeypatch.setattr(skinny_gemm, "skinny_linear", counted)
+    base = make_base(tmp_path / "base", "llama", seed=36)
+    rng = random.Random("auto-gemm")
+    adapters = {f"a{i}": str(write_random_adapter(tmp_path / f"a{i}", base, rank=rank,
+                                                  targets=rng.sample(ALL, rng.randint(2, 7)), seed=70 + i))
+                for i, rank in enumerate([4, 16])}
+    engine = Engine(EngineConfig(model_dir=str(base), adapters=adapters, device=device, dtype="float32",
+                                 kernels="triton", max_lora_rank=16, page_size=8, base_gemm="auto"))
+    try:
+        names = [None, *adapters]
+        cases = [([0] + [rng.randrange(2, 290) for _ in range(rng.randint(1, 12))], names[i % len(names)])
+                 for i in range(5)]
+        assert_generations_match_peft(engine, base, adapters, cases, 6, "u")
+        assert_pool_drained(engine)
+    finally:
+        engine.shutdown()
+    if device == "cpu":
+        assert rows_seen == [], "no graphs on the CPU: every step keeps F.linear"
+    else:
+        assert rows_seen and max(rows_seen) <= AUTO_TRITON_MAX_ROWS, rows_seen
+
+
 @pytest.mark.parametrize("decode_lora", ["bgmv", "sgmv", "hybrid"])
 def test_cuda_graph_replay_equals_eager(tmp_path, device, decode_lora):
     """Decode steps replayed from CUDA graphs give exactly the eager kernel path's tokens (GPU only); with "sgmv" and
