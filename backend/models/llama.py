@@ -223,7 +223,8 @@ class LlamaModel:
         consumer adds a LoraDelta) where the LoraBatch allows it, (the base output, its LoRA term computed beside
         the GEMM). On the kernel path the shrink is launched before the base GEMM (it needs only x: captured decode
         steps run it on a side stream beside the GEMM, and the deferred expand after it), or, captured with
-        ``SHRINK_AFTER_GEMM``, right after the GEMM and from the same point (``LoraBatch.fork``)."""
+        ``SHRINK_AFTER_GEMM`` or base_gemm "auto"'s Triton GEMM, right after the GEMM and from the same point
+        (``LoraBatch.fork``)."""
         if lora is None:
             return self._linear(x, weight, bias), None
         if not lora.use_kernels:
