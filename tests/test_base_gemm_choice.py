@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import kernels.skinny_gemm as skinny_gemm
-from backend.config import BASE_GEMMS, EngineConfig
 from backend.model_config import ModelConfig
 from backend.models.llama import AUTO_TRITON_MAX_ROWS
 from perf.bench_decode_step import random_model
@@ -32,9 +31,3 @@ def test_the_base_gemm_is_chosen_by_knob_capture_and_rows(monkeypatch, base_gemm
     model._linear(x, model.layers[0].o, None)
     assert len(calls) == (1 if triton else 0), "off the kernel path: torch"
 
-
-def test_auto_is_a_base_gemm_the_engine_takes():
-    assert "auto" in BASE_GEMMS
-    EngineConfig(model_dir="unused", base_gemm="auto")
-    with pytest.raises(ValueError, match="base_gemm"):
-        EngineConfig(model_dir="unused", base_gemm="cublas")

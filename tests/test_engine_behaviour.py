@@ -209,9 +209,10 @@ def test_experimental_decode_forms_are_refused_on_cuda_unless_asked_for(monkeypa
 
 
 def test_base_gemm_knob_is_checked_and_read_from_config_strings():
-    with pytest.raises(ValueError, match=r"base_gemm must be one of \('torch', 'triton'\), got 'cublas'"):
+    with pytest.raises(ValueError, match=r"base_gemm must be one of \('torch', 'triton', 'auto'\), got 'cublas'"):
         EngineConfig(model_dir=".", base_gemm="cublas")
     assert EngineConfig.from_strings({"model_dir": ".", "base_gemm": "triton"}).base_gemm == "triton"
+    assert EngineConfig.from_strings({"model_dir": ".", "base_gemm": "auto"}).base_gemm == "auto"
     assert EngineConfig(model_dir=".").base_gemm == "torch"
 
 
