@@ -109,21 +109,27 @@ def test_deferred_expand_matches_peft(tmp_path, device, family, monkeypatch):
     assert set(deferred) == widths, "every projection's expand must have been deferred"
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_triton_base_gemm_matches_peft(tmp_path, device, family, monkeypatch):
-    """base_gemm "triton": the base layers' GEMMs and the LM head of steps up to 128 tokens through the split-K
-    kernel (Qwen2: with the q/k/v bias in its epilogue), prefill steps above that through F.linear; on CUDA the
-    decode steps are captured in graphs, so the kernel's workspace and counters live across replays."""
+def _count_skinny_gemm_rows(monkeypatch) -> list[int]:
+    """The rows of every split-K base GEMM launched from now on (the kernel itself still runs)."""
     import kernels.skinny_gemm as skinny_gemm
 
     rows_seen: list[int] = []
     launch = skinny_gemm.skinny_linear
 
-    def counted(x, weight, bias=None, config=None):  # the kernel itself, its calls counted
+    def counted(x, weight, bias=None, config=None):
         rows_seen.append(x.shape[0])
         return launch(x, weight, bias, config)
 
     monkeypatch.setattr(skinny_gemm, "skinny_linear", counted)
+    return rows_seen
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_triton_base_gemm_matches_peft(tmp_path, device, family, monkeypatch):
+    """base_gemm "triton": the base layers' GEMMs and the LM head of steps up to 128 tokens through the split-K
+    kernel (Qwen2: with the q/k/v bias in its epilogue), prefill steps above that through F.linear; on CUDA the
+    decode steps are captured in graphs, so the kernel's workspace and counters live across replays."""
+    rows_seen = _count_skinny_gemm_rows(monkeypatch)
     base = make_base(tmp_path / "base", family, seed=35)
     rng = random.Random(family + "gemm")
     adapters = {f"a{i}": str(write_random_adapter(tmp_path / f"a{i}", base, rank=rank,
@@ -150,17 +156,9 @@ def test_auto_base_gemm_matches_peft(tmp_path, device, monkeypatch):
     """base_gemm "auto": the split-K kernel only in CUDA-graph steps with adapters (their warm-ups included, which
     make its workspaces outside the capture), each shrink captured after its GEMM; eager steps (all of them on the
     CPU) and base-only graphs keep F.linear. Generations equal PEFT's either way."""
-    import kernels.skinny_gemm as skinny_gemm
     from backend.models.llama import AUTO_TRITON_MAX_ROWS
 
-    rows_seen: list[int] = []
-    launch = skinny_gemm.skinny_linear
-
-    def counted(x, weight, bias=None, config=None):
-        rows_seen.append(x.shape[0])
-        return launch(x, weight, bias, config)
-
-    monkeypatch.setattr(skinny_gemm, "skinny_linear", counted)
+    rows_seen = _count_skinny_gemm_rows(monkeypatch)
     base = make_base(tmp_path / "base", "llama", seed=36)
     rng = random.Random("auto-gemm")
     adapters = {f"a{i}": str(write_random_adapter(tmp_path / f"a{i}", base, rank=rank,
