@@ -141,9 +141,9 @@ def split_step_time(events: list[KernelEvent], steps: int = 1,
 def format_split(split: StepSplit, top: int = 6) -> str:
     """A few lines: the per-step split and the kernels that waited longest for LoRA work."""
     lines = [
-        f"   per step: {split.wall_ms:.3f} ms wall = {split.main_ms:.3f} step stream busy + "
-        f"{split.side_only_ms:.3f} waiting for the side stream only + {split.idle_ms:.3f} no kernel running "
-        f"(side stream kernels {split.side_kernel_ms:.3f} ms, {split.steps} steps)"
+        f"   per step: {split.wall_ms:.3f} ms wall = {split.main_ms:.3f} base kernels running + "
+        f"{split.side_only_ms:.3f} LoRA kernels alone + {split.idle_ms:.3f} no kernel running "
+        f"(LoRA kernels {split.side_kernel_ms:.3f} ms, {split.steps} steps)"
     ]
     for name, ms in list(split.waits_ms.items())[:top]:
         lines.append(f"     waited {ms * 1e3:8.1f} us before {name[:80]}")

@@ -232,17 +232,15 @@ class LlamaModel:
             lora.apply(x, out, i, modules, widths)
             return out, None
         fork = lora.fork(x, gemm_first=self.base_gemm == "auto" and self._triton_gemm(x.shape[0]))
-        if fork is not None:  # the GEMM's node first, the shrink's beside it (LoraBatch.fork)
+        # with a fork the GEMM's node comes first and the shrink's beside it (LoraBatch.fork); else the shrink first
+        out = self._linear(x, weight, bias) if fork is not None else None
+        pending = lora.shrink(x, i, modules, after=fork)
+        term = lora.expand_deferred(pending, widths) if defer and lora.defers_expand(x, widths) else None
+        if out is None:
             out = self._linear(x, weight, bias)
-            pending = lora.shrink(x, i, modules, after=fork)
-        else:
-            out, pending = None, lora.shrink(x, i, modules)
-        if defer and lora.defers_expand(x, widths):
-            term = lora.expand_deferred(pending, widths)
-            return (out if out is not None else self._linear(x, weight, bias)), term
-        out = out if out is not None else self._linear(x, weight, bias)
-        lora.expand(pending, out, widths)
-        return out, None
+        if term is None:
+            lora.expand(pending, out, widths)
+        return out, term
 
     def _triton_gemm(self, rows: int) -> bool:
         """Whether a base GEMM of ``rows`` tokens takes the split-K Triton kernel (``base_gemm``): "triton" up to
