@@ -42,7 +42,10 @@
 #                                            # off, RoPE + KV write fused / torch, base GEMMs torch / triton ~7 min
 #   bash perf/h200/one_gpu.sh order $OUT     # the side-stream shrink captured after its base GEMM: graph tests, decode
 #                                            # step before / after x base GEMMs torch / triton, headline  ~8.5 min
-#   bash perf/h200/one_gpu.sh auto $OUT      # base_gemm auto against torch: a shortened headline at n = 100 ~3 min
+#   bash perf/h200/one_gpu.sh auto $OUT      # base_gemm auto: its compiled engine tests, then against torch a
+#                                            # shortened headline at n = 100                            ~5 min
+#   bash perf/h200/one_gpu.sh auto_ab $OUT   # base_gemm auto against torch: decode step in rounds, the headline at
+#                                            # n = 5, 100 with auto, torch, auto                        ~9 min
 #   bash perf/h200/one_gpu.sh timeline $OUT  # where the decode step's time goes (base work running / LoRA kernels
 #                                            # alone / idle) per variant: side stream x deferred expand, base
 #                                            # GEMMs torch / triton; 3 rounds each, profiled               ~5 min
@@ -54,7 +57,7 @@
 #                                            # concurrency 16 and request rates PA_RATES                    ~8 min
 # DECODE_LORA (bgmv|sgmv) and PREFILL (sdpa|paged) pick the engine's kernels in the headline part.
 set -u
-PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, defer_ab, rounds, order, auto, timeline, sanitize, headline, mixed, final, profile or server}
+PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, defer_ab, rounds, order, auto, auto_ab, timeline, sanitize, headline, mixed, final, profile or server}
 OUT=${2:-/tmp/h200}
 ROOT=$PWD
 BASE=${BASE:-$ROOT/.baseline_s9}
@@ -398,7 +401,10 @@ order)
 auto)
   # base_gemm "auto" (the Triton GEMM with the shrink after it in captured LoRA steps of <= 64 tokens, cuBLAS
   # elsewhere) against the default, end to end: the headline's workload at n = 100, shortened to 8 s of arrivals
-  # (192 requests) so that both fit a session's last ~4 minutes, with it, then without
+  # (192 requests), with it, then without; first the compiled engine tests of auto (PEFT oracle; the captured LoRA
+  # steps must take the split-K kernel) and of graph replay
+  compiled_tests 150 tests/kernels/test_engine_kernels.py tests/test_base_gemm_choice.py \
+    -k "auto or (replay_equals_eager and bgmv) or base_gemm"
   for g in auto torch; do
     mkdir -p "$W/work"
     PYTHONPATH=$ROOT timeout 90 python3 -m perf.headline --shape llama3-8b --out "$W/headline_$g" --workdir "$W/work" \
@@ -409,6 +415,25 @@ auto)
   rm -rf "$W/work"
   { summary_head; for h in headline_auto headline_torch; do [ -f "$W/$h/summary.md" ] && headline_lines "$h"; done
   } > "$OUT/auto.txt" 2>&1
+  ;;
+auto_ab)
+  # base_gemm auto against torch: the decode step in 3 interleaved rounds, then the headline's workload at n = 5, 100
+  # with auto, torch, then auto again (a drift check)
+  PYTHONPATH=$ROOT timeout 120 python3 -m perf.bench_decode_step --adapters 0,8,64 --base-gemm torch,auto \
+    --rounds 3 --out "$W/step" > "$W/step.txt" 2>&1
+  stamp "decode step: base GEMMs torch / auto, 3 rounds" $?
+  headline headline_auto 140 --adapters 5 100 --base-gemm auto
+  stamp "headline, base_gemm auto" $?
+  headline headline_torch 140 --adapters 5 100 --base-gemm torch
+  stamp "headline, base_gemm torch" $?
+  headline headline_auto2 "$(time_left 560 60)" --adapters 5 100 --base-gemm auto
+  stamp "headline, base_gemm auto (again)" $?
+  rm -rf "$W/work"
+  {
+    summary_head
+    echo "== decode step"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$W/step.txt" | cut -c1-200
+    for h in headline_auto headline_torch headline_auto2; do [ -f "$W/$h/summary.md" ] && headline_lines "$h"; done
+  } > "$OUT/auto_ab.txt" 2>&1
   ;;
 timeline)
   # where the captured decode step's time goes (perf/stream_timeline.py, from each profile): base work running, LoRA
