@@ -49,6 +49,7 @@ class PendingShrink:
     layer: int
     modules: slice  # of the projection axis
     side_stream: torch.cuda.Stream | None  # where the shrink runs, when not on the current stream
+    x: torch.Tensor | None = None  # the shrink's input, held while a side stream may still read it (see LoraDelta)
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -79,12 +80,16 @@ class LoraDelta:
 
     values: torch.Tensor  # fp32 [T, sum(widths)]
     side_stream: torch.cuda.Stream | None  # where it is computed, when not on the current stream
+    # the shrink's input until the join: the caller may drop its own reference first, and the caching allocator
+    # would then hand its block to the current stream while the side stream still reads it
+    x: torch.Tensor | None = None
 
     def ready(self) -> torch.Tensor:
         """``values``, once the current stream has waited for the side stream that writes them."""
         if self.side_stream is not None:
             torch.cuda.current_stream(self.values.device).wait_stream(self.side_stream)
             self.side_stream = None
+            self.x = None
         return self.values
 
     def add_into(self, out: torch.Tensor) -> torch.Tensor:
@@ -317,22 +322,27 @@ class LoraBatch:
             y = scratch[layer, mods]
         else:
             scratch, y = None, torch.empty((n, x.shape[0], self.max_rank), dtype=torch.float32, device=x.device)
-        side = _side_stream(x) if _overlaps(x) else None
-        if side is not None and after is not None:
-            side.wait_event(after)
-        elif side is not None:
-            side.wait_stream(torch.cuda.current_stream(x.device))
         tables, ranks = self.row_offsets[layer, mods, 0], self.ranks[layer, mods]
         # every layer launches the same shapes with this batch's slots and segments: checked and configured once
         key = ("shrink", first, n, tuple(x.shape), x.dtype, scratch is not None)
         launch = self._launches.get(key)
+        built_on_device = False
         if launch is None:
             segments = None if self._bgmv_shrink else self.segments
             launch = self._launches[key] = prepare_shrink(x, self.pool, tables, ranks, self.token_slots, y,
                                                           segments=segments, out_is_zero=scratch is not None)
+            # a segmented launch's tile table is built by torch ops on the current stream (SegmentMeta.tiles)
+            built_on_device = segments is not None
+        # the side stream waits only now, after the preparation: waiting before it, the kernel could read a tile
+        # table still being built (the segmented forms' illegal memory access in captured steps, 2026-12-02)
+        side = _side_stream(x) if _overlaps(x) else None
+        if side is not None and after is not None and not built_on_device:
+            side.wait_event(after)
+        elif side is not None:
+            side.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(side) if side is not None else nullcontext():
             launch.launch(x, self.pool, tables, ranks, self.token_slots, y)
-        return PendingShrink(y, layer, mods, side)
+        return PendingShrink(y, layer, mods, side, x if side is not None else None)
 
     def expand(self, pending: PendingShrink, out: torch.Tensor, widths: tuple[int, ...]) -> None:
         """Kernel path, second half of ``apply``: add the expand of a ``shrink`` into out [T, sum(widths)]."""
@@ -363,7 +373,7 @@ class LoraBatch:
         side = pending.side_stream
         with torch.cuda.stream(side) if side is not None else nullcontext():
             launch.launch(*args)
-        return LoraDelta(values, side)
+        return LoraDelta(values, side, pending.x)
 
     def _expand_launch(self, pending: PendingShrink, out: torch.Tensor, widths: tuple[int, ...],
                        overwrite: bool) -> tuple[ExpandLaunch, tuple[torch.Tensor, ...]]:

@@ -109,3 +109,74 @@ def test_lora_batch_device_segments(device, decode_form):
             out = base.to(device, copy=True)
             lora.apply(case.x, out, layer, ("q_proj", "k_proj"), (40, 24))
             torch.testing.assert_close(out.cpu(), base + delta, **TOL)
+
+
+class _RecordingStream:
+    """Stands in for a CUDA stream on the CPU: records the waits that order it, in one log shared with the tiles."""
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self.log = name, log
+
+    def wait_stream(self, other: _RecordingStream) -> None:
+        self.log.append(f"{self.name} waits {other.name}")
+
+    def wait_event(self, event: object) -> None:
+        self.log.append(f"{self.name} waits event")
+
+
+@pytest.mark.parametrize("decode_form, after", [("sgmv", False), ("sgmv", True), ("hybrid", False),
+                                                ("bgmv", True)])
+def test_side_stream_waits_after_the_tables_it_reads(device, monkeypatch, decode_form, after):
+    """A captured step's shrink on the side stream: the side stream waits for the step's stream only after the
+    launch is prepared, so that a segmented launch's tile table (built by torch ops on the step's stream) is
+    complete when the kernel reads it; with ``after`` (the shrink captured after its GEMM) it starts from the
+    fork's event unless the preparation just built such a table. The deferred term holds the shrink's input until
+    the join. (Waiting before the preparation was the segmented forms' illegal memory access on the H200.)"""
+    import contextlib
+
+    import backend.lora_batch as lora_batch
+    from backend.lora_batch import LoraBatch
+    from kernels.lora_meta import SegmentMeta
+
+    log: list[str] = []
+    main, side = _RecordingStream("main", log), _RecordingStream("side", log)
+    monkeypatch.setattr(lora_batch, "_overlaps", lambda x: True)
+    monkeypatch.setattr(lora_batch, "_side_stream", lambda x: side)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+
+    @contextlib.contextmanager
+    def on_stream(stream):
+        log.append(f"launch on {stream.name}")
+        yield
+
+    monkeypatch.setattr(torch.cuda, "stream", on_stream)
+    tiles = SegmentMeta.tiles
+    monkeypatch.setattr(SegmentMeta, "tiles", lambda self, block_m: log.append("tiles") or tiles(self, block_m))
+    case = make_case(seed_of("side-stream-order"), 19, 136, [40, 24], "some_none", device)
+    row_offsets, ranks, scalings = step_tables(case, 2, device)
+    lora = LoraBatch.from_tables(case.token_slots, row_offsets, ranks, scalings, case.pool, decode_form=decode_form)
+    modules, widths = ("q_proj", "k_proj"), (40, 24)
+    _, delta = dense_lora(case)
+    base = torch.randn(19, 64, generator=case.gen)
+    lora.begin_forward(19)
+    for layer in range(2):
+        log.clear()
+        pending = lora.shrink(case.x, layer, modules, after=object() if after else None)
+        assert pending.x is case.x, "held until the expand joins the side stream"
+        builds = decode_form == "sgmv" and layer == 0  # the first layer prepares; the next reuse the launch
+        assert ("tiles" in log) is builds, log
+        waits = [i for i, entry in enumerate(log) if entry.startswith("side waits")]
+        assert len(waits) == 1 and log[-1] == "launch on side", log
+        assert all(i < waits[0] for i, entry in enumerate(log) if entry == "tiles"), log
+        assert log[waits[0]] == ("side waits event" if after and not builds else "side waits main"), log
+        deferred = lora.defers_expand(case.x, widths)
+        assert deferred is (decode_form == "bgmv"), "the segmented expand has no overwrite form"
+        if deferred:
+            term = lora.expand_deferred(pending, widths)
+            assert term.x is case.x
+            got = term.add_into(base.to(device, copy=True))
+            assert term.x is None, "the join releases the input"
+        else:
+            got = base.to(device, copy=True)
+            lora.expand(pending, got, widths)
+        torch.testing.assert_close(got.cpu(), base + delta, **TOL)
