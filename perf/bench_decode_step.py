@@ -31,7 +31,7 @@ from backend.config import BASE_GEMMS, check_decode_form_name
 from backend.cuda_graphs import DecodeGraphs, DecodeInputs
 from backend.kv_cache import PagedKVCache
 from backend.model_config import PROJECTIONS, ModelConfig
-from backend.models.llama import LlamaModel, weight_names
+from backend.models.llama import AUTO_TRITON_MAX_ROWS, LlamaModel, weight_names
 from backend.unified_pool import UnifiedPool
 from perf.shapes import SHAPES
 from perf.stream_timeline import KernelEvent, format_split, kernel_events, split_step_time
@@ -269,6 +269,9 @@ def main() -> None:
         model.base_gemm = gemm
         graphs = DecodeGraphs(model, kv, scratch, args.batch, blocks, max(max(counts), 1), args.rank,
                               decode_form=form)
+        # base_gemm "auto" captures the shrink after its Triton GEMM whatever --shrink-order says, up to
+        # AUTO_TRITON_MAX_ROWS tokens (LlamaModel._project)
+        order = "after" if gemm == "auto" and args.batch <= AUTO_TRITON_MAX_ROWS else order
         label = (f"{form}, rope+kv {rope_kv}, side stream {side}, defer expand {defer}, shrink {order} gemm, "
                  f"base gemm {gemm}")
         print(f"LoRA kernels of the decode step: {form}; RoPE + KV write: {rope_kv}; LoRA side stream: {side}; "
