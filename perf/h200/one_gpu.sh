@@ -51,13 +51,15 @@
 #                                            # GEMMs torch / triton; 3 rounds each, profiled               ~5 min
 #   bash perf/h200/one_gpu.sh sanitize $OUT  # compute-sanitizer memcheck over the compiled tests of the segmented
 #                                            # decode forms (kernels with device-built tables, no caching
-#                                            # allocator; the engine's graph replay) and of the split-K GEMM;
-#                                            # initcheck over their eager engine tests                      ~9 min
+#                                            # allocator; the engine's graph replay and PEFT tests) and of
+#                                            # the split-K GEMM                                             ~8 min
+#   bash perf/h200/one_gpu.sh race $OUT      # the segmented decode forms' compiled engine tests after the side-stream
+#                                            # fix, one process each, side stream on (and off once)       ~4 min
 #   bash perf/h200/one_gpu.sh server $OUT    # tritonserver: TTFT at 50/90% of SATURATION, perf_analyzer at
 #                                            # concurrency 16 and request rates PA_RATES                    ~8 min
 # DECODE_LORA (bgmv|sgmv) and PREFILL (sdpa|paged) pick the engine's kernels in the headline part.
 set -u
-PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, defer_ab, rounds, order, auto, auto_ab, timeline, sanitize, headline, mixed, final, profile or server}
+PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, defer_ab, rounds, order, auto, auto_ab, timeline, race, sanitize, headline, mixed, final, profile or server}
 OUT=${2:-/tmp/h200}
 ROOT=$PWD
 BASE=${BASE:-$ROOT/.baseline_s9}
@@ -453,10 +455,35 @@ timeline)
     done
   } > "$OUT/timeline.txt" 2>&1
   ;;
+race)
+  # the segmented decode forms after the side-stream fix (b26b390): each of their compiled engine tests in its own
+  # process (an illegal access kills the context, failing every later test of a process), side stream on, then the
+  # first again with it off; a pass on is what lifting their refusal on CUDA needs (then `forms` times them)
+  forms_test() {
+    local name=$1 side=$2
+    shift 2
+    MANYLORA_EXPERIMENTAL_DECODE_FORMS=1 MANYLORA_LORA_SIDE_STREAM=$side PYTHONPATH=$ROOT TRITON_INTERPRET=0 \
+      timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_engine_kernels.py -k "$*" \
+      > "$W/$name.txt" 2>&1
+    stamp "$name (side stream $side)" $?
+  }
+  forms_test sgmv_peft 1 "kernel_path_matches_peft and sgmv"
+  forms_test hybrid_peft 1 "kernel_path_matches_peft and hybrid"
+  forms_test sgmv_replay 1 "replay_equals_eager and sgmv"
+  forms_test hybrid_replay 1 "replay_equals_eager and hybrid"
+  forms_test sgmv_peft_side_off 0 "kernel_path_matches_peft and sgmv"
+  {
+    summary_head
+    for name in sgmv_peft hybrid_peft sgmv_replay hybrid_replay sgmv_peft_side_off; do
+      echo "== $name"; grep -E "passed|failed|illegal" "$W/$name.txt" | head -3
+    done
+  } > "$OUT/race.txt" 2>&1
+  ;;
 sanitize)
   # the segmented decode forms' illegal memory access (their compiled engine tests, 2026-11-30): where it is.
   # Without the caching allocator every tensor is its own allocation, so memcheck sees an access past any of them
-  # and initcheck a read of bytes nobody wrote (CUDA graphs need the allocator: the engine's graph test runs with it)
+  # (CUDA graphs need the allocator: the engine's tests run with it). Under memcheck, which runs kernels one at a time,
+  # the access did not occur (28_sanitize): a race, found with the side stream off (29_side_stream_race; `race`)
   sanitizer() {
     local tool=$1 name=$2 limit=$3
     shift 3
@@ -469,7 +496,8 @@ sanitize)
     -k "(grid and (64-130 or 17-72)) or cuda_graph_sizes"
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 sanitizer memcheck skinny_gemm 50 tests/kernels/test_skinny_gemm.py -k "matches"
   sanitizer memcheck engine_graphs 220 tests/kernels/test_engine_kernels.py -k "replay_equals_eager and (sgmv or hybrid)"
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 sanitizer initcheck engine_eager 130 tests/kernels/test_engine_kernels.py \
+  # the engine tests against PEFT capture graphs too, which fail without the caching allocator (28_sanitize): with it
+  sanitizer memcheck engine_eager 130 tests/kernels/test_engine_kernels.py \
     -k "kernel_path_matches_peft and (sgmv or hybrid)"
   {
     summary_head
