@@ -127,6 +127,13 @@ summary_head() {
 headline_lines() {
   echo "== ${1:-headline}"; grep -E "^\| engine|ratio" "$W/${1:-headline}/summary.md" | head -20
 }
+# ab_summary HEADLINE...: a decode-step-and-headline A/B part's summary: summary_head, $W/step.txt's table, then each
+# HEADLINE's rows where it ran
+ab_summary() {
+  summary_head
+  echo "== decode step"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$W/step.txt" | cut -c1-200
+  for h in "$@"; do [ -f "$W/$h/summary.md" ] && headline_lines "$h"; done
+}
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv > "$W/gpu.txt" 2>&1
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' >> "$W/gpu.txt" 2>&1
 
@@ -360,11 +367,7 @@ defer_ab)
     stamp "headline, deferred expand off again" $?
   fi
   rm -rf "$W/work"
-  {
-    summary_head
-    echo "== decode step"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$W/step.txt" | cut -c1-200
-    for h in headline_off headline_on headline_off2; do [ -f "$W/$h/summary.md" ] && headline_lines "$h"; done
-  } > "$OUT/defer_ab.txt" 2>&1
+  ab_summary headline_off headline_on headline_off2 > "$OUT/defer_ab.txt" 2>&1
   ;;
 rounds)
   for ab in "lora-side-stream on,off" "rope-kv fused,torch" "base-gemm torch,triton"; do
@@ -431,11 +434,7 @@ auto_ab)
   headline headline_auto2 "$(time_left 560 60)" --adapters 5 100 --base-gemm auto
   stamp "headline, base_gemm auto (again)" $?
   rm -rf "$W/work"
-  {
-    summary_head
-    echo "== decode step"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$W/step.txt" | cut -c1-200
-    for h in headline_auto headline_torch headline_auto2; do [ -f "$W/$h/summary.md" ] && headline_lines "$h"; done
-  } > "$OUT/auto_ab.txt" 2>&1
+  ab_summary headline_auto headline_torch headline_auto2 > "$OUT/auto_ab.txt" 2>&1
   ;;
 timeline)
   # where the captured decode step's time goes (perf/stream_timeline.py, from each profile): base work running, LoRA
