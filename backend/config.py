@@ -199,10 +199,12 @@ def experimental_decode_forms_allowed() -> bool:
 def check_decode_form(decode_lora_kernels: str, device: str) -> None:
     """Refuse the segmented decode forms on CUDA unless MANYLORA_EXPERIMENTAL_DECODE_FORMS=1: their compiled engine
     tests failed on the H200 (2026-12-01) and the run ended in an illegal memory access, which leaves the device
-    unusable for the process; the cause is not found yet. On the CPU (Triton's interpreter) they equal PEFT."""
+    unusable for the process. It went away with the LoRA side stream off (2026-12-02): the likely cause, the side
+    stream waiting before a segmented shrink's tile table was built, is fixed in LoraBatch.shrink, not yet re-run on a
+    GPU. On the CPU (Triton's interpreter) they equal PEFT."""
     if device.startswith("cuda") and decode_lora_kernels != "bgmv" and not experimental_decode_forms_allowed():
         raise ValueError(f"decode_lora_kernels={decode_lora_kernels!r} is experimental on CUDA (an illegal memory "
-                         f"access in its H200 engine tests, not yet fixed): use 'bgmv', or set "
+                         f"access in its H200 engine tests; a fix is not yet verified there): use 'bgmv', or set "
                          f"{EXPERIMENTAL_DECODE_FORMS}=1 to run it anyway")
 
 
