@@ -11,8 +11,6 @@ from dataclasses import dataclass, field, fields
 # adapter's B rows once).
 DECODE_FORMS = ("bgmv", "sgmv", "hybrid")
 BASE_GEMMS = ("torch", "triton", "auto")  # EngineConfig.base_gemm
-# set to 1: the segmented forms may run on CUDA (check_decode_form)
-EXPERIMENTAL_DECODE_FORMS = "MANYLORA_EXPERIMENTAL_DECODE_FORMS"
 
 
 @dataclass
@@ -189,23 +187,6 @@ def check_decode_form_name(name: str, what: str = "decode_lora_kernels") -> None
     """Raise a ValueError naming ``what`` unless ``name`` is one of DECODE_FORMS."""
     if name not in DECODE_FORMS:
         raise ValueError(f"{what} must be one of {', '.join(DECODE_FORMS)}, got {name!r}")
-
-
-def experimental_decode_forms_allowed() -> bool:
-    """Whether MANYLORA_EXPERIMENTAL_DECODE_FORMS is set: the segmented decode forms may then run on CUDA."""
-    return _env_flag(EXPERIMENTAL_DECODE_FORMS)
-
-
-def check_decode_form(decode_lora_kernels: str, device: str) -> None:
-    """Refuse the segmented decode forms on CUDA unless MANYLORA_EXPERIMENTAL_DECODE_FORMS=1: their compiled engine
-    tests failed on the H200 (2026-12-01) and the run ended in an illegal memory access, which leaves the device
-    unusable for the process. It went away with the LoRA side stream off (2026-12-02): the likely cause, the side
-    stream waiting before a segmented shrink's tile table was built, is fixed in LoraBatch.shrink, not yet re-run on a
-    GPU. On the CPU (Triton's interpreter) they equal PEFT."""
-    if device.startswith("cuda") and decode_lora_kernels != "bgmv" and not experimental_decode_forms_allowed():
-        raise ValueError(f"decode_lora_kernels={decode_lora_kernels!r} is experimental on CUDA (an illegal memory "
-                         f"access in its H200 engine tests; a fix is not yet verified there): use 'bgmv', or set "
-                         f"{EXPERIMENTAL_DECODE_FORMS}=1 to run it anyway")
 
 
 def _env_flag(name: str) -> bool:

@@ -23,7 +23,7 @@ from backend.adapter_directory import AdapterDirectory
 from backend.adapter_manager import AdapterManager
 from backend.adapter_process_loader import SHM_DIR, choose_directory
 from backend.catalogue import AdapterCatalogue
-from backend.config import EngineConfig, ModelKernelOptions, check_decode_form
+from backend.config import EngineConfig, ModelKernelOptions
 from backend.cuda_graphs import DecodeGraphs
 from backend.detokenize import IncrementalDecoder, load_tokenizer
 from backend.devices import default_load_processes, resolve_device, resolve_kernels
@@ -89,7 +89,6 @@ class Engine:
         cfg = self.model_config
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.use_kernels = resolve_kernels(config.kernels, self.device)
-        check_decode_form(config.decode_lora_kernels, self.device)
         self.max_len = config.max_model_len or cfg.max_position_embeddings
         self.tokenizer = load_tokenizer(config.model_dir)
         self.eos_ids = eos_token_ids(config.model_dir, cfg)

@@ -55,11 +55,13 @@
 #                                            # the split-K GEMM                                             ~8 min
 #   bash perf/h200/one_gpu.sh race $OUT      # the segmented decode forms' compiled engine tests after the side-stream
 #                                            # fix, one process each, side stream on (and off once)       ~4 min
+#   bash perf/h200/one_gpu.sh race_ab $OUT   # the sgmv form's engine test against PEFT, BASE (before the fix) and this
+#                                            # tree in 2 interleaved rounds, one process each            ~4 min
 #   bash perf/h200/one_gpu.sh server $OUT    # tritonserver: TTFT at 50/90% of SATURATION, perf_analyzer at
 #                                            # concurrency 16 and request rates PA_RATES                    ~8 min
 # DECODE_LORA (bgmv|sgmv) and PREFILL (sdpa|paged) pick the engine's kernels in the headline part.
 set -u
-PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, defer_ab, rounds, order, auto, auto_ab, timeline, race, sanitize, headline, mixed, final, profile or server}
+PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, defer_ab, rounds, order, auto, auto_ab, timeline, race, race_ab, sanitize, headline, mixed, final, profile or server}
 OUT=${2:-/tmp/h200}
 ROOT=$PWD
 BASE=${BASE:-$ROOT/.baseline_s9}
@@ -161,12 +163,12 @@ kernels)
 forms)
   # the decode-step LoRA forms: compiled tests of the segmented ones (the gate), the decode step of each form in one
   # process, the headline with the fastest form whose tests passed, and the kernel benchmark of this tree and BASE
-  MANYLORA_EXPERIMENTAL_DECODE_FORMS=1 PYTHONPATH=$ROOT TRITON_INTERPRET=0 timeout 120 python3 -m pytest -q \
+  PYTHONPATH=$ROOT TRITON_INTERPRET=0 timeout 120 python3 -m pytest -q \
     -p no:cacheprovider tests/kernels/test_engine_kernels.py tests/kernels/test_lora_kernels.py \
     tests/kernels/test_lora_segments.py tests/kernels/test_lora_batch.py \
     -k "sgmv or hybrid or device_segments or warm_up or no_host_data" > "$W/gpu_tests.txt" 2>&1
   stamp "compiled tests" $?
-  MANYLORA_EXPERIMENTAL_DECODE_FORMS=1 PYTHONPATH=$ROOT timeout 150 python3 -m perf.bench_decode_step \
+  PYTHONPATH=$ROOT timeout 150 python3 -m perf.bench_decode_step \
     --decode-lora-kernels bgmv,sgmv,hybrid \
     --out "$W/step" > "$W/step.txt" 2>&1
   stamp "decode step bgmv, sgmv, hybrid" $?
@@ -188,8 +190,7 @@ print(min(ok, key=ok.get) if ok else "bgmv")
 EOF2
 )
   echo "headline form: $FORM" >> "$W/times.txt"
-  # FORM passed its compiled tests above (or is bgmv): the engine may run it with the experimental flag
-  MANYLORA_EXPERIMENTAL_DECODE_FORMS=1 headline headline $(time_left 520 60) --adapters 5 100 1000 2000 \
+  headline headline $(time_left 520 60) --adapters 5 100 1000 2000 \
     --decode-lora-kernels "$FORM"
   stamp "headline ($FORM)" $?
   rm -rf "$W/work"
@@ -462,7 +463,7 @@ race)
   forms_test() {
     local name=$1 side=$2
     shift 2
-    MANYLORA_EXPERIMENTAL_DECODE_FORMS=1 MANYLORA_LORA_SIDE_STREAM=$side PYTHONPATH=$ROOT TRITON_INTERPRET=0 \
+    MANYLORA_LORA_SIDE_STREAM=$side PYTHONPATH=$ROOT TRITON_INTERPRET=0 \
       timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_engine_kernels.py -k "$*" \
       > "$W/$name.txt" 2>&1
     stamp "$name (side stream $side)" $?
@@ -479,6 +480,28 @@ race)
     done
   } > "$OUT/race.txt" 2>&1
   ;;
+race_ab)
+  # the side-stream fix as an A/B on one machine: the sgmv form's compiled engine test against PEFT (side stream on),
+  # BASE (the tree before the fix, e.g. `git archive 21214a0 backend kernels perf tests | tar -x -C .baseline`) and
+  # this tree in 2 interleaved rounds, one process each (an illegal access kills the process's context)
+  race_test() {
+    local name=$1 tree=$2
+    (cd "$tree" && MANYLORA_LORA_SIDE_STREAM=1 PYTHONPATH=$tree \
+      TRITON_INTERPRET=0 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_engine_kernels.py \
+      -k "kernel_path_matches_peft and sgmv") > "$W/$name.txt" 2>&1
+    stamp "$name" $?
+  }
+  for round in 1 2; do
+    race_test "base_$round" "$BASE"
+    race_test "new_$round" "$ROOT"
+  done
+  {
+    summary_head
+    for name in base_1 new_1 base_2 new_2; do
+      echo "== $name"; grep -E "passed|failed|illegal" "$W/$name.txt" | head -3
+    done
+  } > "$OUT/race_ab.txt" 2>&1
+  ;;
 sanitize)
   # the segmented decode forms' illegal memory access (their compiled engine tests, 2026-11-30): where it is.
   # Without the caching allocator every tensor is its own allocation, so memcheck sees an access past any of them
@@ -487,7 +510,7 @@ sanitize)
   sanitizer() {
     local tool=$1 name=$2 limit=$3
     shift 3
-    MANYLORA_EXPERIMENTAL_DECODE_FORMS=1 PYTHONPATH=$ROOT TRITON_INTERPRET=0 timeout "$limit" compute-sanitizer \
+    PYTHONPATH=$ROOT TRITON_INTERPRET=0 timeout "$limit" compute-sanitizer \
       --tool "$tool" --print-limit 8 --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider "$@" \
       > "$W/$name.txt" 2>&1
     stamp "$tool $name" $?

@@ -3,9 +3,7 @@ a graph captures, over the same padded buffers and adapter tables, with no graph
 
 It covers what the CPU never reaches otherwise: the graphs' buffer filling, and for ``decode_lora_kernels`` "sgmv" and
 "hybrid" the grouping of tokens by adapter on the device at every step (``build_segments_on_device``), which only a
-graph-mode batch uses. On the H200 those two forms' compiled engine tests ended in an illegal memory access
-(backend/config.py check_decode_form); here, with the same tables, every token equals PEFT's, so the defect is not in
-the tables' arithmetic. A GPU runs the real graphs instead (test_engine_kernels.py).
+graph-mode batch uses. A GPU runs the real graphs instead (test_engine_kernels.py).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from backend.config import EngineConfig, experimental_decode_forms_allowed
+from backend.config import EngineConfig
 from backend.engine import Engine
 from backend.offline import generate
 from backend.request import GenerationRequest, SamplingParams
@@ -25,14 +25,6 @@ from model_factory import (
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def _skip_experimental_on_cuda(device: str, decode_lora: str) -> None:
-    """The segmented decode forms are a known defect on CUDA (backend/config.py check_decode_form): their compiled
-    tests ended in an illegal memory access on the H200, which would fail every later test of the run. Set
-    MANYLORA_EXPERIMENTAL_DECODE_FORMS=1 to run them there (when working on the defect)."""
-    if device == "cuda" and decode_lora != "bgmv" and not experimental_decode_forms_allowed():
-        pytest.skip(f"decode_lora_kernels={decode_lora} is experimental on CUDA (illegal memory access on the H200)")
-
-
 @pytest.mark.parametrize("family, prefill_attention, fused, decode_lora", [
     ("llama", "sdpa", True, "bgmv"), ("qwen3", "sdpa", True, "bgmv"), ("llama", "paged", True, "bgmv"),
     ("mistral", "paged", True, "bgmv"), ("qwen3", "sdpa", False, "bgmv"), ("llama", "sdpa", True, "sgmv"),
@@ -43,7 +35,6 @@ def test_kernel_path_matches_peft(tmp_path, device, family, prefill_attention, f
     add + RMSNorm, silu(gate) * up and the q/k norm + RoPE + KV write fused or as torch ops; small (decode)
     steps' LoRA one program per token (bgmv), grouped by adapter (sgmv), or the first for the shrink and the
     second for the expand (hybrid)."""
-    _skip_experimental_on_cuda(device, decode_lora)
     extra = {"qwen3": {"head_dim": 24}, "mistral": {"sliding_window": 10}}.get(family, {})
     base = make_base(tmp_path / "base", family, seed=31, **extra)
     rng = random.Random(family)
@@ -186,7 +177,6 @@ def test_cuda_graph_replay_equals_eager(tmp_path, device, decode_lora):
     "hybrid" the graphs group the tokens by adapter on the device at every replay."""
     if device != "cuda":
         pytest.skip("CUDA graphs need a GPU (run with TRITON_INTERPRET=0)")
-    _skip_experimental_on_cuda(device, decode_lora)
     base = make_base(tmp_path / "base", "llama", seed=33)
     adapters = {f"a{i}": str(write_random_adapter(tmp_path / f"a{i}", base, rank=r, targets=ALL, seed=i))
                 for i, r in enumerate([2, 8, 16])}
@@ -267,8 +257,6 @@ def test_warm_up_runs_the_kernel_path_and_gives_every_page_back(tmp_path, device
         assert warm_up(engine.model, engine.kv, 8, max_tokens=130, max_seqs=4, sizes=[5, 64, 130],
                        max_len=engine.max_len, paged_prefill=True) > 0
         for form, sizes in (("sgmv", [2, 17]), ("hybrid", [3])):
-            if device == "cuda" and not experimental_decode_forms_allowed():
-                continue  # a known defect there (_skip_experimental_on_cuda)
             assert warm_up(engine.model, engine.kv, 8, max_tokens=130, max_seqs=4, sizes=sizes,
                            max_len=engine.max_len, decode_form=form) > 0
         assert engine.pool.usage() == before
