@@ -334,8 +334,8 @@ class LoraBatch:
             # a segmented launch's tile table is built by torch ops on the current stream (SegmentMeta.tiles)
             built_on_device = segments is not None
         # the side stream waits only now, after the preparation: waiting before it, the kernel could read a tile
-        # table still being built (likely the segmented forms' illegal memory access in captured steps, which the side
-        # stream off avoided: perf/results/2026-12-02-h200/29_side_stream_race)
+        # table still being built (the segmented forms' illegal memory access in captured steps: before this order 2/2
+        # runs failed on the H200, after it 2/2 passed, perf/results/2026-12-02-h200/31_race_ab)
         side = _side_stream(x) if _overlaps(x) else None
         if side is not None and after is not None and not built_on_device:
             side.wait_event(after)

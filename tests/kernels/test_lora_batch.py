@@ -131,8 +131,8 @@ def test_side_stream_waits_after_the_tables_it_reads(device, monkeypatch, decode
     launch is prepared, so that a segmented launch's tile table (built by torch ops on the step's stream) is
     complete when the kernel reads it; with ``after`` (the shrink captured after its GEMM) it starts from the
     fork's event unless the preparation just built such a table. The deferred term holds the shrink's input until
-    the join. (Waiting before the preparation is the likely cause of the segmented forms' illegal memory access on
-    the H200, which the side stream off avoided.)"""
+    the join. (Waiting before the preparation was the cause of the segmented forms' illegal memory access on the
+    H200: perf/results/2026-12-02-h200/31_race_ab.)"""
     import contextlib
 
     import backend.lora_batch as lora_batch
