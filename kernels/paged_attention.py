@@ -9,6 +9,16 @@ Token position t of sequence b lives in page ``block_tables[b, t // page_size]``
 One program per (sequence, kv head) handles all ``group`` query heads that share the kv head,
 so each K/V row is read once per sequence; online softmax in fp32, one pass over the sequence.
 
+Split over the context (flash-decoding): batch x kv heads programs leave most of the GPU idle
+when they are fewer than its SMs (one sequence of 8 kv heads: 8 programs, ~190 GB/s on the
+H200). With ``SPLITS`` > 1 each (sequence, kv head) takes SPLITS programs, each over one
+contiguous run of whole BLOCK_N blocks of the sequence (sized from its length in the kernel, so
+any lengths share one launch, and a CUDA graph replays it for new lengths); each writes its
+un-normalised partial output, running max and sum (fp32), and a second kernel merges the
+SPLITS partials of each head. ``attention_splits`` picks SPLITS from the batch size and the
+device's SM count alone (a captured step does not know its lengths): 1 whenever the batch
+fills the GPU, so large batches run the one-pass kernel unchanged.
+
 With ``table_rows`` a query row reads the block table of another row index: the tokens of a
 prefill chunk then attend in the same launch, each as a "decode" of its own position (its
 seq_len is its position + 1, its table the chunk's sequence's), so a step's attention is one
@@ -18,6 +28,8 @@ long prompts re-read them once per token (from L2 for the most part).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -25,7 +37,7 @@ import triton.language as tl
 from kernels.lora_meta import FLOAT_DTYPES, check_tensor
 from kernels.relaunch import relauncher
 
-__all__ = ["paged_decode_attention", "attention_config"]
+__all__ = ["paged_decode_attention", "attention_config", "attention_splits"]
 
 _LOG2E = 1.4426950408889634
 
@@ -38,7 +50,9 @@ def _paged_decode_attention_kernel(
     block_tables_ptr,  # int32 [S, max_blocks] (S = B without table_rows)
     table_rows_ptr,  # int32 [B]: block-table row of each query row (read only with HAS_TABLE_ROWS)
     seq_lens_ptr,  # int32 [B]
-    out_ptr,  # [B, H, D]
+    out_ptr,  # [B, H, D] (written with SPLITS == 1)
+    part_out_ptr,  # fp32 [B, H, SPLITS, BLOCK_D]: each split's un-normalised output (written with SPLITS > 1)
+    part_stats_ptr,  # fp32 [B, H, SPLITS, 2]: each split's running max (log2 domain) and sum of exponentials
     # sizes
     layer,
     head_dim,
@@ -64,10 +78,19 @@ def _paged_decode_attention_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HAS_TABLE_ROWS: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
+    if SPLITS == 1:
+        lo = 0
+        hi = seq_len
+    else:  # this program's run of whole blocks: cdiv(blocks, SPLITS) of them, the last runs shorter or empty
+        split = tl.program_id(2)
+        per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), SPLITS) * BLOCK_N
+        lo = split * per_split
+        hi = tl.minimum(seq_len, lo + per_split)
     table_row = tl.load(table_rows_ptr + seq).to(tl.int64) if HAS_TABLE_ROWS else seq
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -86,9 +109,9 @@ def _paged_decode_attention_kernel(
     m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
-    for start in range(0, seq_len, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < seq_len
+        n_mask = offs_n < hi
         pages = tl.load(
             block_tables_ptr + table_row * stride_btb + (offs_n // PAGE_SIZE) * stride_btn,
             mask=n_mask,
@@ -108,23 +131,90 @@ def _paged_decode_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    l_i = tl.where(l_i > 0.0, l_i, 1.0)  # seq_len == 0: output zeros, not NaN
-    out = acc / l_i[:, None]
-    tl.store(
-        out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
-        out.to(out_ptr.dtype.element_ty),
-        mask=g_mask[:, None] & d_mask[None, :],
-    )
+    if SPLITS == 1:
+        l_i = tl.where(l_i > 0.0, l_i, 1.0)  # seq_len == 0: output zeros, not NaN
+        out = acc / l_i[:, None]
+        tl.store(
+            out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od,
+            out.to(out_ptr.dtype.element_ty),
+            mask=g_mask[:, None] & d_mask[None, :],
+        )
+    else:  # an empty run leaves max -inf, sum 0 and a zero output: the merge gives it no weight
+        part = (seq * (tl.num_programs(1) * GROUP) + heads) * SPLITS + split  # [BLOCK_G]
+        tl.store(part_out_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=g_mask[:, None])
+        tl.store(part_stats_ptr + part * 2, m_i, mask=g_mask)
+        tl.store(part_stats_ptr + part * 2 + 1, l_i, mask=g_mask)
+
+
+@triton.jit
+def _paged_attention_merge_kernel(
+    part_out_ptr,  # fp32 [B, H, SPLITS, BLOCK_D]
+    part_stats_ptr,  # fp32 [B, H, SPLITS, 2]
+    out_ptr,  # [B, H, D]
+    head_dim,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """out[b, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits s of (b, h), M = max_s m_s."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_mask = offs_s < SPLITS
+    offs_d = tl.arange(0, BLOCK_D)
+    part = (seq * tl.num_programs(1) + head) * SPLITS + offs_s  # [BLOCK_S]
+    m = tl.load(part_stats_ptr + part * 2, mask=s_mask, other=float("-inf"))
+    l_s = tl.load(part_stats_ptr + part * 2 + 1, mask=s_mask, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)  # all -inf (seq_len 0): no weights, a zero output
+    w = tl.exp2(m - m_max)  # 0 for the empty runs' -inf
+    acc = tl.load(part_out_ptr + part[:, None] * BLOCK_D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    total = tl.sum(w * l_s, axis=0)
+    total = tl.where(total > 0.0, total, 1.0)
+    out = tl.sum(acc * w[:, None], axis=0) / total
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d * stride_od, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < head_dim)
 
 
 def attention_config(group: int, head_dim: int, page_size: int) -> dict[str, int]:
-    """Block sizes for ``paged_decode_attention`` (tl.dot tiles stay >= 16)."""
+    """Block sizes for ``paged_decode_attention`` (tl.dot tiles stay >= 16); the context splits are
+    ``attention_splits``' (a config may name them: "SPLITS")."""
     return {
         "BLOCK_G": max(16, triton.next_power_of_2(group)),
         "BLOCK_N": max(64, triton.next_power_of_2(page_size)),
         "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
         "num_warps": 4,
     }
+
+
+# Context splits: (sequence, kv head, split) programs up to PROGRAMS_PER_SM on every SM, at most MAX_SPLITS splits.
+# On the H200 (132 SMs, 8 kv heads) the fastest count of 1-32 at 512-32,768 tokens was the one that made ~256
+# programs, at every batch of 1-32 sequences (perf/results/2026-12-03-h200/1_splits/)
+PROGRAMS_PER_SM = 2
+MAX_SPLITS = 32
+# MANYLORA_ATTENTION_SPLITS=n: n splits at every batch size (1: never split; perf/bench_decode_step.py
+# --attention-splits times the choices); unset or "auto": attention_splits' choice
+_SPLITS_ENV = os.environ.get("MANYLORA_ATTENTION_SPLITS", "auto").strip().lower()
+SPLITS_OVERRIDE: int | None = None if _SPLITS_ENV in ("", "auto") else int(_SPLITS_ENV)
+_SM_COUNTS: dict[torch.device, int] = {}
+
+
+def attention_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
+    """The context splits of a launch of ``batch`` query rows: the largest power of two that keeps batch x
+    num_kv_heads x splits programs within PROGRAMS_PER_SM per SM, up to MAX_SPLITS; 1 where the batch alone comes
+    within a factor of two of that (and on the CPU). A function of the batch alone, so that a CUDA graph captured
+    for a batch-size bucket suits any lengths (short ones lose ~0.2-0.8 us a launch to the merge)."""
+    if SPLITS_OVERRIDE is not None:
+        return max(1, SPLITS_OVERRIDE)
+    if device.type != "cuda":
+        return 1
+    if device not in _SM_COUNTS:
+        _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    ratio = PROGRAMS_PER_SM * _SM_COUNTS[device] // (batch * num_kv_heads)
+    return 1 if ratio < 2 else min(MAX_SPLITS, 1 << (ratio.bit_length() - 1))
 
 
 def paged_decode_attention(
@@ -170,7 +260,8 @@ def paged_decode_attention(
         num_layers, page_size, num_kv_heads: the KV page geometry (head_dim is q's last dim).
         table_rows: optional int32 [B]: the block-table row each query row uses (several query
             rows of one prefill chunk share their sequence's table; causality comes from seq_lens).
-        config: optional block-size override (keys as returned by ``attention_config``).
+        config: optional block-size and split override (keys as returned by ``attention_config``;
+            without SPLITS: ``attention_splits``).
 
     Returns:
         ``out``.
@@ -210,14 +301,27 @@ def paged_decode_attention(
     stride_layer = 2 * stride_kv
     stride_page = num_layers * stride_layer
     cfg = dict(config or attention_config(group, head_dim, page_size))
+    splits = cfg.setdefault("SPLITS", attention_splits(batch, num_kv_heads, device))
+    if splits < 1:
+        raise ValueError(f"SPLITS must be positive, got {splits}")
+    if splits == 1:  # no partials: any fp32 tensor stands in for the pointers the kernel does not read
+        part_out = part_stats = seq_lens
+    else:
+        part_out = torch.empty((batch, num_heads, splits, cfg["BLOCK_D"]), dtype=torch.float32, device=device)
+        part_stats = torch.empty((batch, num_heads, splits, 2), dtype=torch.float32, device=device)
     launch = relauncher(_paged_decode_attention_kernel, PAGE_SIZE=page_size, GROUP=group, DOT_PRECISION="ieee",
                         HAS_TABLE_ROWS=table_rows is not None, **cfg)
     launch(
-        (batch, num_kv_heads), q, pool, block_tables, seq_lens if table_rows is None else table_rows, seq_lens, out,
+        (batch, num_kv_heads, splits), q, pool, block_tables, seq_lens if table_rows is None else table_rows,
+        seq_lens, out, part_out, part_stats,
         layer, head_dim, float(scale) * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         block_tables.stride(0), block_tables.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         stride_page, stride_layer, stride_kv, stride_slot,
     )  # fmt: skip
+    if splits > 1:
+        merge = relauncher(_paged_attention_merge_kernel, SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+                           BLOCK_D=cfg["BLOCK_D"], num_warps=1)
+        merge((batch, num_heads), part_out, part_stats, out, head_dim, out.stride(0), out.stride(1), out.stride(2))
     return out

@@ -33,6 +33,7 @@ from backend.kv_cache import PagedKVCache
 from backend.model_config import PROJECTIONS, ModelConfig
 from backend.models.llama import AUTO_TRITON_MAX_ROWS, LlamaModel, weight_names
 from backend.unified_pool import UnifiedPool
+from kernels import paged_attention
 from perf.shapes import SHAPES
 from perf.stream_timeline import KernelEvent, format_split, kernel_events, split_step_time
 
@@ -197,6 +198,9 @@ def main() -> None:
                     help="with the side stream, each shrink's node captured before its base GEMM's (before) or after "
                          "it, from the same point (after: the GEMM launched first; LoraBatch.fork); comma-separated: "
                          "each in turn")
+    ap.add_argument("--attention-splits", default="auto",
+                    help="comma-separated: auto (kernels.paged_attention.attention_splits' choice) and/or split counts "
+                         "of the paged decode attention (1: one pass, never split)")
     ap.add_argument("--base-gemm", default="torch",
                     help="the base layers' GEMMs and the LM head (EngineConfig.base_gemm): torch (cuBLAS) or triton "
                          "(kernels/skinny_gemm.py, split-K); comma-separated: each in turn")
@@ -248,6 +252,9 @@ def main() -> None:
     base_gemms = args.base_gemm.split(",")
     if not set(base_gemms) <= set(BASE_GEMMS):
         ap.error(f"--base-gemm takes {' and/or '.join(BASE_GEMMS)}, got {args.base_gemm!r}")
+    attention_splits = args.attention_splits.split(",")
+    if not all(a == "auto" or (a.isdigit() and int(a) >= 1) for a in attention_splits):
+        ap.error(f"--attention-splits takes auto and/or positive counts, got {args.attention_splits!r}")
     page = args.page_size
     positions = torch.full((args.batch,), args.context, dtype=torch.int64)
     slots = torch.tensor([t[args.context // page] * page + args.context % page for t in tables])
@@ -258,10 +265,12 @@ def main() -> None:
     kv_bytes = args.batch * (args.context + 1) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
     rows = []
     capture_s = {}
-    variants = [(form, rope_kv, side, defer, order, gemm) for form in forms for rope_kv in rope_kvs
-                for side in side_streams for defer in defers for order in orders for gemm in base_gemms]
+    variants = [(form, rope_kv, side, defer, order, gemm, splits) for form in forms for rope_kv in rope_kvs
+                for side in side_streams for defer in defers for order in orders for gemm in base_gemms
+                for splits in attention_splits]
     captured = []  # every variant's graphs, captured first and kept: the rounds then time them in turn
-    for form, rope_kv, side, defer, order, gemm in variants:
+    for form, rope_kv, side, defer, order, gemm, splits in variants:
+        paged_attention.SPLITS_OVERRIDE = None if splits == "auto" else int(splits)  # read at capture
         model.fuse_rope_kv = rope_kv == "fused"
         lora_batch.SIDE_STREAM = side == "on"
         lora_batch.DEFER_EXPAND = defer == "on"
@@ -273,16 +282,17 @@ def main() -> None:
         # AUTO_TRITON_MAX_ROWS tokens (LlamaModel._project)
         order = "after" if gemm == "auto" and args.batch <= AUTO_TRITON_MAX_ROWS else order
         label = (f"{form}, rope+kv {rope_kv}, side stream {side}, defer expand {defer}, shrink {order} gemm, "
-                 f"base gemm {gemm}")
+                 f"base gemm {gemm}, attention splits {splits}")
         print(f"LoRA kernels of the decode step: {form}; RoPE + KV write: {rope_kv}; LoRA side stream: {side}; "
-              f"deferred expand: {defer}; shrink captured {order} its GEMM; base GEMMs: {gemm}", flush=True)
+              f"deferred expand: {defer}; shrink captured {order} its GEMM; base GEMMs: {gemm}; "
+              f"attention splits: {splits}", flush=True)
         graphs.buckets = [args.batch]
         t0 = time.perf_counter()
         graphs._reset_padding(args.batch)
         graphs._capture(args.batch, True)
         graphs._capture(args.batch, False)
         capture_s[label] = round(time.perf_counter() - t0, 1)
-        captured.append(((form, rope_kv, side, defer, order, gemm), label, graphs))
+        captured.append(((form, rope_kv, side, defer, order, gemm, splits), label, graphs))
 
     def replay(graphs: DecodeGraphs, n: int):
         """One decode step of the batch over n distinct adapters (0: base only, the graph without LoRA)."""
@@ -299,7 +309,7 @@ def main() -> None:
         for _, label, graphs in captured:
             for n in counts:
                 times.setdefault((label, n), []).append(time_ms(replay(graphs, n), args.iters))
-    for (form, rope_kv, side, defer, order, gemm), label, graphs in captured:
+    for (form, rope_kv, side, defer, order, gemm, splits), label, graphs in captured:
         for n in counts:
             if args.profile:
                 try:
@@ -316,6 +326,7 @@ def main() -> None:
                     "defer_expand": defer,
                     "shrink_order": order,
                     "base_gemm": gemm,
+                    "attention_splits": splits,
                     "adapters": n,
                     "step_ms": round(step_ms, 3),
                     "step_ms_rounds": [round(t, 3) for t in times[(label, n)]],
@@ -324,6 +335,7 @@ def main() -> None:
                     "tokens_per_s": round(args.batch / step_ms * 1e3, 1),
                 }
             )
+    paged_attention.SPLITS_OVERRIDE = None
     graphs._reset_padding(args.batch)  # the last form's tables: an eager base-only step over them
     eager_base = time_ms(lambda: model.forward(graphs._batch(args.batch), kv, None), 10)
 
@@ -349,11 +361,11 @@ def main() -> None:
     (Path(args.out) / "decode_step.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
     print(f"{'adapters':>8} {'step ms':>8} {'floor ms':>9} {'x floor':>8} {'tok/s':>9} {'vs base':>8}  LoRA kernels, "
-          "RoPE + KV write, LoRA side stream, deferred expand, shrink order, base GEMMs")
+          "RoPE + KV write, LoRA side stream, deferred expand, shrink order, base GEMMs, attention splits")
 
     def variant(r: dict) -> tuple[str, ...]:
         return (r["lora_kernels"], r["rope_kv"], r["side_stream"], r["defer_expand"], r["shrink_order"],
-                r["base_gemm"])
+                r["base_gemm"], r["attention_splits"])
 
     base_ms = {variant(r): r["step_ms"] for r in rows if r["adapters"] == 0}
     for r in rows:

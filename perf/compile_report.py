@@ -259,12 +259,13 @@ def moe_pair_launches(tokens: int = 64, distinct: int = 8, rank: int = 16) -> No
 
 
 def other_launches(batch: int = 64, seq: int = 1024) -> None:
-    """Paged decode attention (32 q / 8 kv heads, d 128, page 16), add+RMSNorm, silu*mul and RoPE + KV write at the
-    8B shapes; the last three also with a deferred LoRA term (``lora_delta``) to add."""
+    """Paged decode attention (32 q / 8 kv heads, d 128, page 16; also split over the context), add+RMSNorm,
+    silu*mul and RoPE + KV write at the 8B shapes; the last three also with a deferred LoRA term (``lora_delta``) to
+    add."""
     import torch
 
     from kernels.add_rms_norm import add_rms_norm
-    from kernels.paged_attention import paged_decode_attention
+    from kernels.paged_attention import attention_config, paged_decode_attention
     from kernels.rope_kv import rope_kv_write
     from kernels.silu_mul import silu_mul
 
@@ -276,6 +277,10 @@ def other_launches(batch: int = 64, seq: int = 1024) -> None:
     q = torch.empty(batch, 4 * nkv, d, dtype=torch.bfloat16)
     paged_decode_attention(q, pool, tables, lens, d**-0.5, torch.empty_like(q), layer=5, num_layers=num_layers,
                            page_size=page, num_kv_heads=nkv)  # fmt: skip
+    # a small batch's launch, split over the context (what attention_splits gives 2 sequences on the H200), + merge
+    paged_decode_attention(q[:2], pool, tables[:2], lens[:2], d**-0.5, torch.empty_like(q[:2]), layer=5,
+                           num_layers=num_layers, page_size=page, num_kv_heads=nkv,
+                           config={**attention_config(4, d, page), "SPLITS": 16})  # fmt: skip
     hidden = torch.empty(batch, 4096, dtype=torch.bfloat16)
     qkv = torch.empty(batch, (32 + 2 * nkv) * d, dtype=torch.bfloat16)
     cos = torch.empty(seq, d, dtype=torch.bfloat16)

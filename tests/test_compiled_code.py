@@ -59,7 +59,8 @@ def test_every_kernel_that_streams_memory_was_compiled(compiled):
     names = {r["name"] for r in compiled}
     assert names >= {
         "_lora_shrink_bgmv_kernel", "_lora_shrink_sgmv_kernel", "_lora_expand_bgmv_kernel",
-        "_lora_expand_sgmv_kernel", "_paged_decode_attention_kernel", "_add_rms_norm_kernel", "_silu_mul_kernel",
+        "_lora_expand_sgmv_kernel", "_paged_decode_attention_kernel", "_paged_attention_merge_kernel",
+        "_add_rms_norm_kernel", "_silu_mul_kernel",
         "_rope_kv_write_kernel", "_skinny_gemm_kernel",
         "_moe_lora_shrink_pairs_kernel", "_moe_lora_expand_pairs_kernel",
     }  # fmt: skip

@@ -26,7 +26,8 @@ def meta_of(fn):
 # (kernel, positional arguments its launcher passes)
 for fn, positional in [(s._lora_shrink_bgmv_kernel, 21), (s._lora_shrink_sgmv_kernel, 22),
                        (e._lora_expand_bgmv_kernel, 21), (e._lora_expand_sgmv_kernel, 23),
-                       (a._add_rms_norm_kernel, 13), (m._silu_mul_kernel, 7), (p._paged_decode_attention_kernel, 21)]:
+                       (a._add_rms_norm_kernel, 13), (m._silu_mul_kernel, 7), (p._paged_decode_attention_kernel, 23),
+                       (p._paged_attention_merge_kernel, 7)]:
     r = Relauncher(fn, meta_of(fn))
     assert r._direct, fn
     tail = r._constexpr_tail(positional)

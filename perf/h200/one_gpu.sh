@@ -57,11 +57,16 @@
 #                                            # fix, one process each, side stream on (and off once)       ~4 min
 #   bash perf/h200/one_gpu.sh race_ab $OUT   # the sgmv form's engine test against PEFT, BASE (before the fix) and this
 #                                            # tree in 2 interleaved rounds, one process each            ~4 min
+#   bash perf/h200/one_gpu.sh splits $OUT    # paged attention split over the context: compiled attention tests and
+#                                            # the engine's (bgmv, graphs, MoE), the split sweep over batch x
+#                                            # context, decode step auto / one pass at batch 1, 8, 16      ~9.5 min
+#   bash perf/h200/one_gpu.sh splits_ab $OUT # the headline at n = 5, 100 with the attention splits chosen (auto),
+#                                            # then with one pass (MANYLORA_ATTENTION_SPLITS=1)            ~5 min
 #   bash perf/h200/one_gpu.sh server $OUT    # tritonserver: TTFT at 50/90% of SATURATION, perf_analyzer at
 #                                            # concurrency 16 and request rates PA_RATES                    ~8 min
 # DECODE_LORA (bgmv|sgmv) and PREFILL (sdpa|paged) pick the engine's kernels in the headline part.
 set -u
-PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, defer_ab, rounds, order, auto, auto_ab, timeline, race, race_ab, sanitize, headline, mixed, final, profile or server}
+PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, defer_ab, rounds, order, auto, auto_ab, timeline, race, race_ab, sanitize, splits, splits_ab, headline, mixed, final, profile or server}
 OUT=${2:-/tmp/h200}
 ROOT=$PWD
 BASE=${BASE:-$ROOT/.baseline_s9}
@@ -530,6 +535,41 @@ sanitize)
         "$W/$name.txt" | head -24
     done
   } > "$OUT/sanitize.txt" 2>&1
+  ;;
+splits)
+  # flash-decoding splits of the paged attention (kernels/paged_attention.py attention_splits): the kernel's compiled
+  # tests and the engine's that decode at small batches (every split path against PEFT and graph replay), the sweep
+  # of split counts over batch x context, then the whole decode step with the splits chosen (auto) and with one pass
+  # (1), captured in one process and timed in interleaved rounds, at small batches and long contexts
+  compiled_tests 200 tests/kernels/test_paged_attention.py tests/kernels/test_engine_kernels.py \
+    -k "not engine_kernels or (kernel_path_matches_peft and bgmv) or (replay_equals_eager and bgmv) or moe_cuda_graph or warm_up"
+  PYTHONPATH=$ROOT timeout 170 python3 -m perf.bench_attention --out "$W/attention.jsonl" > "$W/attention.txt" 2>&1
+  stamp "attention splits sweep" $?
+  split_step() {
+    local name=$1 limit=$2
+    shift 2
+    PYTHONPATH=$ROOT timeout "$limit" python3 -m perf.bench_decode_step --attention-splits auto,1 --rounds 3 \
+      --out "$W/$name" "$@" > "$W/$name.txt" 2>&1
+    stamp "decode step $name" $?
+  }
+  split_step step_b1 90 --batch 1 --context 8192 --adapters 0,1
+  split_step step_b8 90 --batch 8 --context 4096 --adapters 0,8
+  split_step step_b16 "$(time_left 565)" --batch 16 --context 2048 --adapters 0,16
+  {
+    summary_head
+    echo "== attention splits"; sed -n '/^batch /,/^$/p' "$W/attention.txt"; grep -E "SMs|copy bandwidth" "$W/attention.txt"
+    for name in step_b1 step_b8 step_b16; do
+      echo "== decode step $name"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$W/$name.txt" | cut -c1-220
+    done
+  } > "$OUT/splits.txt" 2>&1
+  ;;
+splits_ab)
+  headline headline_auto 200 --adapters 5 100
+  stamp "headline, attention splits auto" $?
+  MANYLORA_ATTENTION_SPLITS=1 headline headline_one_pass "$(time_left 450 60)" --adapters 5 100
+  stamp "headline, attention one pass" $?
+  rm -rf "$W/work"
+  { summary_head; headline_lines headline_auto; headline_lines headline_one_pass; } > "$OUT/splits_ab.txt" 2>&1
   ;;
 headline)
   headline headline 330 --adapters 5 100 1000 2000 --decode-lora-kernels "${DECODE_LORA:-bgmv}" \

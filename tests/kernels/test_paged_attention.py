@@ -163,3 +163,75 @@ def test_prefill_rows_share_their_sequence_table(device, group):
         v = kv[pages, case["layer"], 1].reshape(-1, 2, 32)[:length].repeat_interleave(group, dim=1)
         w = torch.softmax(torch.einsum("hd,nhd->hn", q[i], k) * case["scale"], dim=-1)
         torch.testing.assert_close(expected[i], torch.einsum("hn,nhd->hd", w, v), **TOL)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 16])
+def test_context_splits(device, splits):
+    """Split over the context: lengths of 0, 1, a few blocks and many blocks in one launch, so that some runs are
+    empty, some partial, some whole (BLOCK_N 16 over pages of 4); every split count merges to the reference."""
+    case = make_case(seed_of("splits", splits), [300, 0, 1, 37, 16, 129], 2, 4, 32, 4)
+    config = {"BLOCK_G": 16, "BLOCK_N": 16, "BLOCK_D": 32, "SPLITS": splits}
+    out, expected = run_both(case, device, config=config)
+    torch.testing.assert_close(out, expected, **TOL)
+    assert (out[1] == 0).all()
+
+
+def test_context_splits_with_table_rows(device):
+    """Prefill rows that share their sequence's table, split over their (causal) lengths."""
+    case = make_case(seed_of("split_rows"), [70, 9], num_kv_heads=1, group=8, head_dim=40, page_size=16)
+    table_rows = torch.tensor([0, 0, 0, 1, 1], dtype=torch.int32)
+    seq_lens = torch.tensor([1, 35, 70, 8, 9], dtype=torch.int32)
+    q = torch.randn(5, 8, 40, generator=torch.Generator().manual_seed(seed_of("split_rows_q")))
+    kw = {k: case[k] for k in ("layer", "num_layers", "page_size", "num_kv_heads")}
+    expected = torch.full(q.shape, float("nan"))
+    ref_paged_decode_attention(q, case["pool"], case["block_tables"], seq_lens, case["scale"], expected,
+                               table_rows=table_rows, **kw)
+    out = torch.full(q.shape, float("nan"), device=device)
+    paged_decode_attention(q.to(device), case["pool"].to(device), case["block_tables"].to(device),
+                           seq_lens.to(device), case["scale"], out, table_rows=table_rows.to(device),
+                           config={"BLOCK_G": 16, "BLOCK_N": 16, "BLOCK_D": 64, "SPLITS": 4}, **kw)
+    torch.testing.assert_close(out.cpu(), expected, **TOL)
+
+
+def test_split_count_follows_the_batch(monkeypatch):
+    """attention_splits: the largest power of two that keeps the programs within two per SM, capped; one split
+    from half that many programs up; the CPU never splits; MANYLORA_ATTENTION_SPLITS's override wins."""
+    from kernels import paged_attention as pa
+
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setitem(pa._SM_COUNTS, gpu, 132)  # the H200's; no GPU needed to ask
+    monkeypatch.setattr(pa, "SPLITS_OVERRIDE", None)
+    assert pa.attention_splits(64, 8, gpu) == 1  # 512 programs > 264
+    assert pa.attention_splits(32, 8, gpu) == 1  # 256: a second split would make 512
+    assert pa.attention_splits(16, 8, gpu) == 2  # 128 x 2 = 256
+    assert pa.attention_splits(12, 8, gpu) == 2  # 96: 264 // 96 = 2
+    assert pa.attention_splits(4, 8, gpu) == 8
+    assert pa.attention_splits(1, 8, gpu) == 32 == pa.MAX_SPLITS  # 264 // 8 = 33
+    assert pa.attention_splits(1, 2, gpu) == pa.MAX_SPLITS  # 132 wanted, capped
+    assert pa.attention_splits(1, 8, torch.device("cpu")) == 1
+    monkeypatch.setattr(pa, "SPLITS_OVERRIDE", 1)
+    assert pa.attention_splits(1, 8, gpu) == 1
+
+
+def test_launch_without_config_takes_the_chosen_splits(device, monkeypatch):
+    """With no config the launch splits as attention_splits says (here forced to 3 by the override), merging once:
+    the default block sizes must not pin the one-pass kernel."""
+    from kernels import paged_attention as pa
+
+    launched = []
+    real = pa.relauncher
+
+    def spy(fn, **meta):
+        launched.append((fn.__name__, meta.get("SPLITS")))
+        return real(fn, **meta)
+
+    monkeypatch.setattr(pa, "relauncher", spy)
+    case = make_case(seed_of("auto_splits"), [200, 3, 0], 2, 4, 32, 16)
+    for override, expected_launches in ((3, [("_paged_decode_attention_kernel", 3),
+                                             ("_paged_attention_merge_kernel", 3)]),
+                                        (1, [("_paged_decode_attention_kernel", 1)])):
+        monkeypatch.setattr(pa, "SPLITS_OVERRIDE", override)
+        launched.clear()
+        out, expected = run_both(case, device)
+        torch.testing.assert_close(out, expected, **TOL)
+        assert launched == expected_launches
