@@ -72,6 +72,20 @@ def run_both(case, device, config=None, q_view=None):
     return out.cpu(), expected
 
 
+def run_rows(case, q, table_rows, seq_lens, device, config=None):
+    """Kernel and reference over query rows q that read the block tables of rows ``table_rows`` with lengths
+    ``seq_lens`` (prefill rows); the kernel's output on the CPU and the reference's."""
+    kw = {k: case[k] for k in ("layer", "num_layers", "page_size", "num_kv_heads")}
+    expected = torch.full(q.shape, float("nan"))
+    ref_paged_decode_attention(q, case["pool"], case["block_tables"], seq_lens, case["scale"], expected,
+                               table_rows=table_rows, **kw)
+    out = torch.full(q.shape, float("nan"), device=device)
+    paged_decode_attention(q.to(device), case["pool"].to(device), case["block_tables"].to(device),
+                           seq_lens.to(device), case["scale"], out, table_rows=table_rows.to(device), config=config,
+                           **kw)
+    return out.cpu(), expected
+
+
 @pytest.mark.parametrize("page_size", [4, 16])
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("head_dim", [32, 40])
@@ -145,14 +159,8 @@ def test_prefill_rows_share_their_sequence_table(device, group):
     q = torch.randn(n, 2 * group, 32, generator=gen)
     table_rows = torch.tensor(rows, dtype=torch.int32)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    kw = {k: case[k] for k in ("layer", "num_layers", "page_size", "num_kv_heads")}
-    expected = torch.full(q.shape, float("nan"))
-    ref_paged_decode_attention(q, case["pool"], case["block_tables"], seq_lens, case["scale"], expected,
-                               table_rows=table_rows, **kw)
-    out = torch.full(q.shape, float("nan"), device=device)
-    paged_decode_attention(q.to(device), case["pool"].to(device), case["block_tables"].to(device),
-                           seq_lens.to(device), case["scale"], out, table_rows=table_rows.to(device), **kw)
-    torch.testing.assert_close(out.cpu(), expected, **TOL)
+    out, expected = run_rows(case, q, table_rows, seq_lens, device)
+    torch.testing.assert_close(out, expected, **TOL)
     # and the reference itself agrees with plain causal attention over each sequence's gathered keys
     page_elems = case["num_layers"] * 2 * 4 * 2 * 32
     kv = case["pool"][: (case["pool"].numel() // page_elems) * page_elems].view(-1, case["num_layers"], 2, 4, 2, 32)
@@ -182,15 +190,9 @@ def test_context_splits_with_table_rows(device):
     table_rows = torch.tensor([0, 0, 0, 1, 1], dtype=torch.int32)
     seq_lens = torch.tensor([1, 35, 70, 8, 9], dtype=torch.int32)
     q = torch.randn(5, 8, 40, generator=torch.Generator().manual_seed(seed_of("split_rows_q")))
-    kw = {k: case[k] for k in ("layer", "num_layers", "page_size", "num_kv_heads")}
-    expected = torch.full(q.shape, float("nan"))
-    ref_paged_decode_attention(q, case["pool"], case["block_tables"], seq_lens, case["scale"], expected,
-                               table_rows=table_rows, **kw)
-    out = torch.full(q.shape, float("nan"), device=device)
-    paged_decode_attention(q.to(device), case["pool"].to(device), case["block_tables"].to(device),
-                           seq_lens.to(device), case["scale"], out, table_rows=table_rows.to(device),
-                           config={"BLOCK_G": 16, "BLOCK_N": 16, "BLOCK_D": 64, "SPLITS": 4}, **kw)
-    torch.testing.assert_close(out.cpu(), expected, **TOL)
+    out, expected = run_rows(case, q, table_rows, seq_lens, device,
+                             config={"BLOCK_G": 16, "BLOCK_N": 16, "BLOCK_D": 64, "SPLITS": 4})
+    torch.testing.assert_close(out, expected, **TOL)
 
 
 def test_split_count_follows_the_batch(monkeypatch):
