@@ -16,8 +16,8 @@ contiguous run of whole BLOCK_N blocks of the sequence (sized from its length in
 any lengths share one launch, and a CUDA graph replays it for new lengths); each writes its
 un-normalised partial output, running max and sum (fp32), and a second kernel merges the
 SPLITS partials of each head. ``attention_splits`` picks SPLITS from the batch size and the
-device's SM count alone (a captured step does not know its lengths): 1 whenever the batch
-fills the GPU, so large batches run the one-pass kernel unchanged.
+device's SM count alone (a captured step does not know its lengths): 1 once the batch alone
+makes more programs than the GPU has SMs, so large batches run the one-pass kernel unchanged.
 
 With ``table_rows`` a query row reads the block table of another row index: the tokens of a
 prefill chunk then attend in the same launch, each as a "decode" of its own position (its
@@ -198,6 +198,8 @@ MAX_SPLITS = 32
 # MANYLORA_ATTENTION_SPLITS=n: n splits at every batch size (1: never split; perf/bench_decode_step.py
 # --attention-splits times the choices); unset or "auto": attention_splits' choice
 _SPLITS_ENV = os.environ.get("MANYLORA_ATTENTION_SPLITS", "auto").strip().lower()
+if not (_SPLITS_ENV in ("", "auto") or (_SPLITS_ENV.isdigit() and int(_SPLITS_ENV) >= 1)):
+    raise ValueError(f"MANYLORA_ATTENTION_SPLITS must be 'auto' or a positive count, got {_SPLITS_ENV!r}")
 SPLITS_OVERRIDE: int | None = None if _SPLITS_ENV in ("", "auto") else int(_SPLITS_ENV)
 _SM_COUNTS: dict[torch.device, int] = {}
 
@@ -206,7 +208,7 @@ def attention_splits(batch: int, num_kv_heads: int, device: torch.device) -> int
     """The context splits of a launch of ``batch`` query rows: the largest power of two that keeps batch x
     num_kv_heads x splits programs within PROGRAMS_PER_SM per SM, up to MAX_SPLITS; 1 where the batch alone comes
     within a factor of two of that (and on the CPU). A function of the batch alone, so that a CUDA graph captured
-    for a batch-size bucket suits any lengths (short ones lose ~0.2-0.8 us a launch to the merge)."""
+    for a batch-size bucket suits any lengths (short ones lose up to ~1 us a launch to the merge)."""
     if SPLITS_OVERRIDE is not None:
         return max(1, SPLITS_OVERRIDE)
     if device.type != "cuda":
@@ -304,7 +306,7 @@ def paged_decode_attention(
     splits = cfg.setdefault("SPLITS", attention_splits(batch, num_kv_heads, device))
     if splits < 1:
         raise ValueError(f"SPLITS must be positive, got {splits}")
-    if splits == 1:  # no partials: any fp32 tensor stands in for the pointers the kernel does not read
+    if splits == 1:  # no partials: any tensor stands in for the pointers the kernel does not read
         part_out = part_stats = seq_lens
     else:
         part_out = torch.empty((batch, num_heads, splits, cfg["BLOCK_D"]), dtype=torch.float32, device=device)
