@@ -62,11 +62,13 @@
 #                                            # context, decode step auto / one pass at batch 1, 8, 16      ~9.5 min
 #   bash perf/h200/one_gpu.sh splits_ab $OUT # the headline at n = 5, 100 with the attention splits chosen (auto),
 #                                            # then with one pass (MANYLORA_ATTENTION_SPLITS=1)            ~5 min
+#   bash perf/h200/one_gpu.sh splits_long $OUT # long prompts at a low rate (4-8K tokens in, 128-256 out, 1 req/s):
+#                                            # the headline's engine with the splits, then with one pass  ~5 min
 #   bash perf/h200/one_gpu.sh server $OUT    # tritonserver: TTFT at 50/90% of SATURATION, perf_analyzer at
 #                                            # concurrency 16 and request rates PA_RATES                    ~8 min
 # DECODE_LORA (bgmv|sgmv) and PREFILL (sdpa|paged) pick the engine's kernels in the headline part.
 set -u
-PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, defer_ab, rounds, order, auto, auto_ab, timeline, race, race_ab, sanitize, splits, splits_ab, headline, mixed, final, profile or server}
+PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, defer_ab, rounds, order, auto, auto_ab, timeline, race, race_ab, sanitize, splits, splits_ab, splits_long, headline, mixed, final, profile or server}
 OUT=${2:-/tmp/h200}
 ROOT=$PWD
 BASE=${BASE:-$ROOT/.baseline_s9}
@@ -570,6 +572,17 @@ splits_ab)
   stamp "headline, attention one pass" $?
   rm -rf "$W/work"
   { summary_head; headline_lines headline_auto; headline_lines headline_one_pass; } > "$OUT/splits_ab.txt" 2>&1
+  ;;
+splits_long)
+  # few sequences with long contexts, where the one-pass attention leaves the GPU idle: later arguments override the
+  # headline function's rate and drain
+  long=(--adapters 5 --input-range 4096 8192 --output-range 128 256 --rate 1 --duration 12 --drain 45)
+  headline long_auto 200 "${long[@]}"
+  stamp "long prompts, attention splits auto" $?
+  MANYLORA_ATTENTION_SPLITS=1 headline long_one_pass "$(time_left 450 60)" "${long[@]}"
+  stamp "long prompts, attention one pass" $?
+  rm -rf "$W/work"
+  { summary_head; headline_lines long_auto; headline_lines long_one_pass; } > "$OUT/splits_long.txt" 2>&1
   ;;
 headline)
   headline headline 330 --adapters 5 100 1000 2000 --decode-lora-kernels "${DECODE_LORA:-bgmv}" \
