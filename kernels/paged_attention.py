@@ -308,9 +308,10 @@ def paged_decode_attention(
         raise ValueError(f"SPLITS must be positive, got {splits}")
     if splits == 1:  # no partials: any tensor stands in for the pointers the kernel does not read
         part_out = part_stats = seq_lens
-    else:
-        part_out = torch.empty((batch, num_heads, splits, cfg["BLOCK_D"]), dtype=torch.float32, device=device)
-        part_stats = torch.empty((batch, num_heads, splits, 2), dtype=torch.float32, device=device)
+    else:  # one allocation a launch (eager steps pay each on the host): the outputs, then the (max, sum) pairs
+        out_elems = batch * num_heads * splits * cfg["BLOCK_D"]
+        partials = torch.empty(out_elems + batch * num_heads * splits * 2, dtype=torch.float32, device=device)
+        part_out, part_stats = partials[:out_elems], partials[out_elems:]
     launch = relauncher(_paged_decode_attention_kernel, PAGE_SIZE=page_size, GROUP=group, DOT_PRECISION="ieee",
                         HAS_TABLE_ROWS=table_rows is not None, **cfg)
     launch(

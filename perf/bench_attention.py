@@ -33,19 +33,26 @@ MAX_POOL_BYTES = 40 * 2**30
 DTYPE = torch.bfloat16
 
 
+PAGE_ELEMS = NUM_LAYERS * 2 * PAGE * NUM_KV_HEADS * HEAD_DIM  # a page holds its tokens' K and V of every layer
+
+
 def kv_bytes(batch: int, seq: int) -> int:
     """Bytes of K and V one layer's launch must read."""
     return batch * seq * 2 * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+
+
+def pool_bytes(batch: int, seq: int) -> int:
+    """Bytes of the pages that hold ``batch`` sequences of ``seq`` tokens."""
+    return batch * -(-seq // PAGE) * PAGE_ELEMS * DTYPE.itemsize
 
 
 def case_calls(batch: int, seq: int):
     """A function of a split count that gives the launches of one (batch, seq) at that count, over distinct
     (page set, layer) pairs that add up to at least UNIVERSE_BYTES of KV."""
     pages_per_seq = -(-seq // PAGE)
-    page_elems = NUM_LAYERS * 2 * PAGE * NUM_KV_HEADS * HEAD_DIM
     one_set = batch * pages_per_seq
     sets = max(1, -(-UNIVERSE_BYTES // (kv_bytes(batch, seq) * NUM_LAYERS)))
-    pool = torch.randn(sets * one_set * page_elems, dtype=DTYPE, device="cuda")
+    pool = torch.randn(sets * one_set * PAGE_ELEMS, dtype=DTYPE, device="cuda")
     perm = torch.randperm(sets * one_set, device="cuda").to(torch.int32).view(sets, batch, pages_per_seq)
     lens = torch.full((batch,), seq, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, NUM_KV_HEADS * GROUP, HEAD_DIM, dtype=DTYPE, device="cuda")
@@ -90,8 +97,7 @@ def main() -> None:
     records = []
     for batch in (int(b) for b in args.batches.split(",")):
         for seq in (int(s) for s in args.seqs.split(",")):
-            pool_bytes = batch * -(-seq // PAGE) * NUM_LAYERS * 2 * PAGE * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
-            if pool_bytes > MAX_POOL_BYTES:
+            if pool_bytes(batch, seq) > MAX_POOL_BYTES:
                 continue
             chosen = attention_splits(batch, NUM_KV_HEADS, device)
             times = {}
