@@ -8,9 +8,8 @@ from dataclasses import dataclass, field, fields
 # The LoRA kernels of steps under 64 tokens (decode_lora_kernels; backend/lora_batch.py applies them): "bgmv", one
 # program per token for shrink and expand; "sgmv", tokens grouped by adapter slot for both; "hybrid", the BGMV
 # shrink (its K-split programs read a token's A rows in parallel) and the SGMV expand (a 16-row tile reads each
-# adapter's B rows once); "fused", the BGMV shrink and the expand folded into the base GEMM (kernels/skinny_gemm.py
-# with a GemmLora: each output tile adds its rows' LoRA term before it is stored, no expand launch).
-DECODE_FORMS = ("bgmv", "sgmv", "hybrid", "fused")
+# adapter's B rows once).
+DECODE_FORMS = ("bgmv", "sgmv", "hybrid")
 BASE_GEMMS = ("torch", "triton", "auto")  # EngineConfig.base_gemm
 
 
@@ -52,11 +51,7 @@ class EngineConfig:
         decode_lora_kernels: the LoRA kernels of steps under 64 tokens (the decode steps): "bgmv" (one
             program per token, each reading its adapter's rows), "sgmv" (tokens grouped by adapter, 16-token
             tiles reading each adapter's rows once; a CUDA-graph step builds the groups on the device, in tables
-            of fixed shapes), "hybrid" (the BGMV shrink and the SGMV expand) or "fused" (the BGMV shrink, then the
-            base GEMM of the Triton kernel adding each row's LoRA term into its output tiles: no expand launch; on
-            Hopper it is launched with programmatic dependent launch and streams its weight while the shrink runs;
-            steps of up to 64 tokens, projections whose slices are multiples of 16 columns; others as "bgmv").
-            Kernel path only.
+            of fixed shapes) or "hybrid" (the BGMV shrink and the SGMV expand). Kernel path only.
         cuda_graphs: replay decode steps from CUDA graphs (CUDA with Triton kernels only).
         mixed_step_graphs: with cuda_graphs, replay the other steps (prefill chunks, alone or with decodes) from
             CUDA graphs too, one per token bucket up to max_num_batched_tokens (dense bases; steps with a

@@ -70,14 +70,6 @@ DEFER_EXPAND_MAX_BYTES = 32 << 20
 # programs fill the SMs the GEMM leaves (before it, the shrink's grid fills the GPU and the GEMM starts when it is
 # done); MANYLORA_LORA_SHRINK_AFTER_GEMM=1 (perf/bench_decode_step.py --shrink-order times both)
 SHRINK_AFTER_GEMM = os.environ.get("MANYLORA_LORA_SHRINK_AFTER_GEMM", "0").strip().lower() in ("1", "true", "on", "yes")
-# decode_form "fused": the expand folded into the Triton base GEMM (kernels/skinny_gemm.GemmLora) for steps of at most
-# this many tokens (the GEMM's tiles take 64 rows; at 128 the Triton GEMM was 0.48-0.88x cuBLAS,
-# perf/results/2026-12-02-h200/19_gemm)
-FUSED_EXPAND_MAX_ROWS = 64
-# ... and its shrink inside the same launch (the GEMM's first programs write y, its output tiles wait for them: one
-# launch per projection), or launched before it (the BGMV shrink, the GEMM launched with programmatic dependent launch
-# after it); MANYLORA_FUSED_SHRINK=launch takes the second (perf/bench_decode_step.py --fused-shrink times both)
-FUSED_SHRINK_INSIDE = os.environ.get("MANYLORA_FUSED_SHRINK", "inside").strip().lower() != "launch"
 
 
 @dataclass
@@ -161,12 +153,10 @@ class LoraBatch:
         self._graph_experts = False
         small = len(token_slots) < SEGMENTED_MIN_TOKENS
         self._bgmv_shrink = small and decode_form == "hybrid"
-        self._fuse_expand = small and decode_form == "fused"
-        self._step_slots = self._step_rows = None
         self._expert_ranks_host = self.ranks[:, len(PROJECTIONS):].cpu() if self._has_expert_slots() else None
         self._expert_scalings_host = self.scalings[:, len(PROJECTIONS):].cpu() if self._has_expert_slots() else None
         if use_kernels:
-            if decode_form not in ("bgmv", "fused") or not small:
+            if decode_form != "bgmv" or not small:
                 from kernels.lora_meta import build_segments
 
                 self.segments = build_segments(torch.tensor(token_slots, dtype=torch.int32), device=device)
@@ -198,10 +188,8 @@ class LoraBatch:
         batch._shrink_scratch = None
         batch._moe_cache = None
         batch._launches = {}
-        batch._device_segments = decode_form in ("sgmv", "hybrid")
+        batch._device_segments = decode_form != "bgmv"
         batch._bgmv_shrink = decode_form == "hybrid"
-        batch._fuse_expand = decode_form == "fused"
-        batch._step_slots = batch._step_rows = None
         batch._graph_experts = graph_experts
         batch._expert_ranks_host = batch._expert_scalings_host = None
         return batch
@@ -214,19 +202,8 @@ class LoraBatch:
         place, so a captured step must derive them inside the graph."""
         self._shrink_scratch = None
         self._moe_cache = None
-        self._step_slots = self._step_rows = None
         if not self.use_kernels:
             return
-        if self._fuse_expand:  # the step's distinct slots and their A and B rows, for every fused GEMM of the forward
-            from kernels.lora_meta import build_step_rows, build_step_slots
-            from kernels.skinny_gemm import r_block
-
-            rows, ranks = self.row_offsets[:, : len(PROJECTIONS)], self.ranks[:, : len(PROJECTIONS)]
-            self._step_slots = build_step_slots(self.token_slots, self.row_offsets.shape[3], rows,
-                                                16 // self.pool.element_size())
-            # [layers, 7, A|B, S * R_block]
-            self._step_rows = build_step_rows(rows, ranks.unsqueeze(2).expand(-1, -1, 2, -1), self._step_slots,
-                                              r_block(self.max_rank))
         if self._device_segments:  # new tables from this forward's token slots; launches prepared on the old ones go
             from kernels.lora_meta import build_segments_on_device
 
@@ -330,35 +307,36 @@ class LoraBatch:
         return event
 
     def shrink(self, x: torch.Tensor, layer: int, modules: tuple[str, ...],
-               after: torch.cuda.Event | None = None, fused: bool = False) -> PendingShrink:
+               after: torch.cuda.Event | None = None) -> PendingShrink:
         """Kernel path, first half of ``apply``: launch the shrink of ``modules`` for input x [T, in]. It needs only x,
         so callers launch it before the base projection; inside a CUDA-graph capture it runs on a side stream, beside
         the base GEMM (the decode step's graph gets the two as parallel branches). ``expand`` joins it. ``after``
         (``fork``'s event): the side stream starts from that point instead of from the current stream's end, so the
-        shrink can be captured after the GEMM and still run beside it. ``fused`` (``project_fused``): on the current
-        stream, the kernel launched last before the fused GEMM, which it lets start at once (programmatic dependent
-        launch)."""
+        shrink can be captured after the GEMM and still run beside it."""
         from kernels.lora_shrink import prepare_shrink
 
         first, n = MODULE_INDEX[modules[0]], len(modules)
         mods = slice(first, first + n)
-        y, scratch = self._shrink_out(x, layer, mods)
+        scratch = self._shrink_scratch  # zeroed by begin_forward; each (layer, projection) written once a step
+        if scratch is not None and scratch.shape[2] == x.shape[0]:
+            y = scratch[layer, mods]
+        else:
+            scratch, y = None, torch.empty((n, x.shape[0], self.max_rank), dtype=torch.float32, device=x.device)
         tables, ranks = self.row_offsets[layer, mods, 0], self.ranks[layer, mods]
         # every layer launches the same shapes with this batch's slots and segments: checked and configured once
-        key = ("shrink", first, n, tuple(x.shape), x.dtype, scratch is not None, fused)
+        key = ("shrink", first, n, tuple(x.shape), x.dtype, scratch is not None)
         launch = self._launches.get(key)
         built_on_device = False
         if launch is None:
             segments = None if self._bgmv_shrink else self.segments
             launch = self._launches[key] = prepare_shrink(x, self.pool, tables, ranks, self.token_slots, y,
-                                                          segments=segments, out_is_zero=scratch is not None,
-                                                          launch_dependents=fused)
+                                                          segments=segments, out_is_zero=scratch is not None)
             # a segmented launch's tile table is built by torch ops on the current stream (SegmentMeta.tiles)
             built_on_device = segments is not None
         # the side stream waits only now, after the preparation: waiting before it, the kernel could read a tile
         # table still being built (the segmented forms' illegal memory access in captured steps: before this order 2/2
         # runs failed on the H200, after it 2/2 passed, perf/results/2026-12-02-h200/31_race_ab)
-        side = _side_stream(x) if _overlaps(x) and not fused else None
+        side = _side_stream(x) if _overlaps(x) else None
         if side is not None and after is not None and not built_on_device:
             side.wait_event(after)
         elif side is not None:
@@ -367,51 +345,12 @@ class LoraBatch:
             launch.launch(x, self.pool, tables, ranks, self.token_slots, y)
         return PendingShrink(y, layer, mods, side, x if side is not None else None)
 
-    def _shrink_out(self, x: torch.Tensor, layer: int, mods: slice) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(y, the step's scratch or None): where the shrink of ``mods`` for input x writes, fp32 [n, T, R_max]: a
-        slice of the scratch begin_forward zeroed (each (layer, projection) written once a step), or a new buffer."""
-        scratch = self._shrink_scratch
-        if scratch is not None and scratch.shape[2] == x.shape[0]:
-            return scratch[layer, mods], scratch
-        return torch.empty((mods.stop - mods.start, x.shape[0], self.max_rank), dtype=torch.float32,
-                           device=x.device), None
-
     def expand(self, pending: PendingShrink, out: torch.Tensor, widths: tuple[int, ...]) -> None:
         """Kernel path, second half of ``apply``: add the expand of a ``shrink`` into out [T, sum(widths)]."""
         if pending.side_stream is not None:
             torch.cuda.current_stream(out.device).wait_stream(pending.side_stream)
         launch, args = self._expand_launch(pending, out, widths, overwrite=False)
         launch.launch(*args)
-
-    def fuses_expand(self, x: torch.Tensor, widths: tuple[int, ...]) -> bool:
-        """Whether a projection of input x and output widths takes ``project_fused``: decode_form "fused", a step
-        of at most FUSED_EXPAND_MAX_ROWS tokens, slices the GEMM's column blocks can keep apart (multiples of 16)."""
-        if not (self.use_kernels and self._fuse_expand and self.segments is None):
-            return False
-        from kernels.skinny_gemm import lora_block_n
-
-        return x.shape[0] <= FUSED_EXPAND_MAX_ROWS and lora_block_n(widths, 16) > 0
-
-    def project_fused(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: int,
-                      modules: tuple[str, ...], widths: tuple[int, ...]) -> torch.Tensor:
-        """x @ weight^T (+ bias) with the LoRA of ``modules`` added by the Triton base GEMM into its output tiles
-        (``GemmLora``): with FUSED_SHRINK_INSIDE in one launch that computes the shrink too, else after the BGMV
-        shrink's launch on the current stream, with programmatic dependent launch where supported. Callers check
-        ``fuses_expand`` first."""
-        from kernels.skinny_gemm import GemmLora, skinny_linear
-
-        first = MODULE_INDEX[modules[0]]
-        mods = slice(first, first + len(modules))
-        if FUSED_SHRINK_INSIDE:
-            y = self._shrink_out(x, layer, mods)[0]
-            a_rows, a_step_rows = self.row_offsets[layer, mods, 0], self._step_rows[layer, mods, 0]
-        else:
-            y = self.shrink(x, layer, modules, fused=True).y
-            a_rows = a_step_rows = None
-        term = GemmLora(y, self.pool, self.row_offsets[layer, mods, 1], self.ranks[layer, mods],
-                        self.scalings[layer, mods], self.token_slots, self._step_slots,
-                        self._step_rows[layer, mods, 1], widths, a_row_offsets=a_rows, a_step_rows=a_step_rows)
-        return skinny_linear(x, weight, bias, lora=term)
 
     def defers_expand(self, x: torch.Tensor, widths: tuple[int, ...]) -> bool:
         """Whether a projection of input x and output widths may take ``expand_deferred``: the kernel path's BGMV

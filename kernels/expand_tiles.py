@@ -12,8 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["add_scaled", "bgmv_expand_rows", "bgmv_expand_tile", "add_gemm_lora_term", "load_b_rows", "rows_aligned",
-           "write_scaled"]
+__all__ = ["add_scaled", "bgmv_expand_rows", "bgmv_expand_tile", "load_b_rows", "rows_aligned", "write_scaled"]
 
 @triton.jit
 def load_b_rows(pool_ptr, row_offs, offs_n, r_mask, n_mask, ROW_ALIGN: tl.constexpr):
@@ -120,70 +119,3 @@ def bgmv_expand_rows(
             b = tl.load(pool_ptr + tl.load(b_offs_row + k * stride_br) + offs_n, mask=n_mask, other=0.0)
             acc += tl.load(y_row + k * stride_yr) * b.to(tl.float32)
     write_scaled(out_row + (n_start + offs_n).to(tl.int64) * stride_on, n_mask, scaling, acc, OVERWRITE)
-
-
-@triton.jit
-def _gemm_lora_chunks(
-    acc, slots, y_rep, cols, n_mask, step_rows, step_slots_ptr, pool_ptr, total,
-    R_BLOCK: tl.constexpr, BLOCK_J: tl.constexpr, ROW_ALIGN: tl.constexpr, ALIGNED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """``add_gemm_lora_term``'s sum over the step's (distinct slot, rank row) pairs, BLOCK_J pairs a chunk; ALIGNED:
-    the B rows' offsets promised as (o // A) * A, so each row's columns are read 16 bytes an instruction."""
-    for j0 in tl.range(0, total, BLOCK_J, num_stages=3):
-        offs_j = j0 + tl.arange(0, BLOCK_J)
-        j_mask = offs_j < total
-        b_offs = tl.load(step_rows + offs_j, mask=j_mask, other=-1)
-        live = b_offs >= 0
-        slot_j = tl.load(step_slots_ptr + 2 + offs_j // R_BLOCK, mask=j_mask, other=-1)
-        if ALIGNED:
-            b_offs = (b_offs // ROW_ALIGN) * ROW_ALIGN
-        bt = tl.load(pool_ptr + b_offs[:, None] + cols[None, :], mask=live[:, None] & n_mask[None, :], other=0.0)
-        # each row's own slot only: the chunk's other slots' columns are zero in that row
-        z = tl.where((slots[:, None] == slot_j[None, :]) & live[None, :], y_rep, 0.0)
-        acc = tl.dot(z, bt, acc, input_precision=DOT_PRECISION)
-    return acc
-
-
-@triton.jit
-def add_gemm_lora_term(
-    acc, offs_m, m_mask, offs_n, n_mask, n_start, y_ptr, pool_ptr, step_rows_ptr, scalings_ptr, token_slots_ptr,
-    step_slots_ptr, bound_1, bound_2, y_ranks, stride_ys, stride_ym, stride_yr, stride_bs, stride_ss, stride_sslot,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, R_BLOCK: tl.constexpr, BLOCK_J: tl.constexpr,
-    ROW_ALIGN: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """acc (fp32 [BLOCK_M, BLOCK_N], a GEMM's output tile: rows offs_m, columns offs_n, n_start the first) plus its
-    LoRA term. The tile's columns all lie in the slice that n_start lies in (slices start at columns 0, bound_1,
-    bound_2; the launcher keeps tiles within one and its bounds multiples of BLOCK_N). Semantics, for row m with
-    slot s = token_slots[m] >= 0, over the rank rows k of s::
-
-        term[m, n] = scalings[i, s] * sum_k y[i, m, k] * pool[b_row[i, s, k] + n - start_i]
-
-    and 0 for rows of slot -1. The B rows come as ``kernels.lora_meta.build_step_rows`` lists them for slice i
-    (step_rows_ptr + i * stride_bs): the step's distinct slots (``build_step_slots``: U = step_slots[0], the slots
-    from step_slots[2]), R_BLOCK pairs a slot, -1 past its rank. Each row's y (its first y_ranks entries: the
-    shrink's R_max) is read once, scaled and rounded to the pool's dtype (PEFT rounds x @ A^T there); then one
-    tl.dot into acc per chunk of BLOCK_J pairs: the rows' y repeated over the chunk's slots, zero outside each row's
-    own, times the chunk's [BLOCK_J, BLOCK_N] tile of B^T rows. Every distinct slot's B^T columns are read once per
-    tile, whatever the number of rows that share it; step_slots[1] says whether all B rows start on 16 bytes."""
-    slice_id = (n_start >= bound_1).to(tl.int32) + (n_start >= bound_2).to(tl.int32)
-    slice_start = tl.where(slice_id == 0, 0, tl.where(slice_id == 1, bound_1, bound_2))
-    cols = tl.multiple_of(n_start - slice_start, BLOCK_N) + tl.arange(0, BLOCK_N)
-    slots = tl.load(token_slots_ptr + offs_m, mask=m_mask, other=-1)
-    scale = tl.load(scalings_ptr + slice_id * stride_ss + tl.maximum(slots, 0).to(tl.int64) * stride_sslot,
-                    mask=slots >= 0, other=0.0)
-    offs_r = tl.arange(0, R_BLOCK)
-    y = tl.load(y_ptr + slice_id * stride_ys + offs_m[:, None] * stride_ym + offs_r[None, :] * stride_yr,
-                mask=m_mask[:, None] & (slots[:, None] >= 0) & (offs_r[None, :] < y_ranks), other=0.0,
-                cache_modifier=".cg")  # from L2: other programs of the launch may have written it (SHRINK)
-    y = (y * scale[:, None]).to(pool_ptr.dtype.element_ty)
-    y_rep = tl.reshape(tl.broadcast_to(y[:, None, :], (BLOCK_M, BLOCK_J // R_BLOCK, R_BLOCK)), (BLOCK_M, BLOCK_J))
-    total = tl.load(step_slots_ptr) * R_BLOCK
-    step_rows = step_rows_ptr + slice_id * stride_bs
-    if tl.load(step_slots_ptr + 1) != 0:
-        acc = _gemm_lora_chunks(acc, slots, y_rep, cols, n_mask, step_rows, step_slots_ptr, pool_ptr, total,
-                                R_BLOCK, BLOCK_J, ROW_ALIGN, True, DOT_PRECISION)  # fmt: skip
-    else:
-        acc = _gemm_lora_chunks(acc, slots, y_rep, cols, n_mask, step_rows, step_slots_ptr, pool_ptr, total,
-                                R_BLOCK, BLOCK_J, ROW_ALIGN, False, DOT_PRECISION)  # fmt: skip
-    return acc

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["SegmentMeta", "build_segments", "build_segments_on_device", "build_step_rows", "build_step_slots"]
+__all__ = ["SegmentMeta", "build_segments", "build_segments_on_device"]
 
 
 # the BLOCK_M values the launchers' heuristics choose (sgmv_block_m): 32-row tiles measured best on the H200
@@ -204,67 +204,6 @@ def build_segments_on_device(token_slots: torch.Tensor, num_slots: int, max_seg_
         num_tokens=token_slots.numel(),
         slot_counts=counts,
     )
-
-
-def build_step_slots(token_slots: torch.Tensor, num_slots: int, row_offsets: torch.Tensor,
-                     row_align: int) -> torch.Tensor:
-    """The step's distinct adapter slots, for the fused LoRA GEMM's tail (``kernels/skinny_gemm.GemmLora``): torch
-    ops on token_slots' device with no read back to the host, so that a CUDA graph captures them and every replay
-    recounts whatever slots it holds. Built once per forward, read by every layer's projections. Semantics::
-
-        present = [s in token_slots for s in range(num_slots)]
-        out[0] = sum(present)                                   # U, the distinct slots of the step
-        out[1] = all(o % row_align == 0 for o in row_offsets if o >= 0)     # 1: every row on 16 bytes
-        out[2:] = [s for s if present[s]] + [s for s if not present[s]]     # ascending within each part
-
-    Args:
-        token_slots: int32 [T], each in [-1, num_slots).
-        num_slots: S, the slots the step's tables hold.
-        row_offsets: int64 [..., S, R_max]: every A and B row offset the step's GEMMs may read (-1: none).
-        row_align: elements in 16 bytes of the pool's dtype.
-
-    Returns:
-        int32 [2 + num_slots].
-    """
-    if token_slots.dim() != 1 or token_slots.dtype != torch.int32:
-        raise ValueError(f"token_slots must be int32 [T], got {token_slots.dtype} {tuple(token_slots.shape)}")
-    device = token_slots.device
-    present = torch.zeros(num_slots + 1, dtype=torch.int32, device=device)  # entry 0 collects the slot -1 tokens
-    present.scatter_(0, (token_slots.to(torch.int64) + 1), 1)
-    present = present[1:]
-    ids = torch.arange(num_slots, dtype=torch.int64, device=device)
-    order = torch.argsort(torch.where(present > 0, ids, ids + num_slots))
-    aligned = ((row_offsets % row_align == 0) | (row_offsets < 0)).all()
-    return torch.cat([present.sum().view(1), aligned.view(1), order]).to(torch.int32)
-
-
-def build_step_rows(row_offsets: torch.Tensor, ranks: torch.Tensor, step_slots: torch.Tensor,
-                    r_block: int) -> torch.Tensor:
-    """The A or B rows the fused LoRA GEMM reads, in the order it takes them: the step's slots as
-    ``build_step_slots`` lists them, each slot's rank rows padded to r_block, -1 past the slot's rank. Torch ops on
-    the device (a CUDA graph captures them); built once per forward for every layer. Semantics::
-
-        out[..., u * r_block + k] = row_offsets[..., step_slots[2 + u], k] if k < ranks[..., step_slots[2 + u]]
-                                    else -1
-
-    Args:
-        row_offsets: int64 [..., S, R_max]; ranks: int32 [..., S] (the same leading dimensions).
-        step_slots: int32 [2 + S] (``build_step_slots``).
-        r_block: >= R_max.
-
-    Returns:
-        int64 [..., S * r_block], contiguous.
-    """
-    num_slots, max_rank = row_offsets.shape[-2:]
-    if r_block < max_rank:
-        raise ValueError(f"r_block {r_block} is smaller than the tables' R_max {max_rank}")
-    order = step_slots[2:].to(torch.int64)
-    rows = row_offsets.index_select(-2, order)  # [..., S, R_max]
-    live = torch.arange(max_rank, device=rows.device) < ranks.index_select(-1, order).unsqueeze(-1)
-    rows = torch.where(live, rows, torch.full_like(rows, -1))
-    if r_block > max_rank:
-        rows = torch.nn.functional.pad(rows, (0, r_block - max_rank), value=-1)
-    return rows.reshape(*rows.shape[:-2], num_slots * r_block).contiguous()
 
 
 # ----------------------------------------------------------------------------------------------

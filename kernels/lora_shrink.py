@@ -30,7 +30,6 @@ import triton.language as tl
 
 from kernels.lora_config import grid_split, shrink_config, shrink_meta
 from kernels.lora_meta import FLOAT_DTYPES, SegmentMeta, check_segments, check_shape, check_tensor
-from kernels.pdl import pdl_supported
 from kernels.relaunch import Relauncher, relauncher
 
 __all__ = ["ShrinkLaunch", "lora_shrink", "prepare_shrink"]
@@ -140,10 +139,7 @@ def _lora_shrink_bgmv_kernel(
     ATOMIC: tl.constexpr,  # split_k > 1: partial sums are added into the zeroed output
     EVEN_K: tl.constexpr,
     ROW_ALIGN: tl.constexpr,  # elements in 16 bytes of the pool dtype
-    LAUNCH_DEPENDENTS: tl.constexpr = False,  # let a PDL launch after it start now (kernels/pdl.py)
 ):
-    if LAUNCH_DEPENDENTS:
-        tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     slice_id = tl.program_id(2) // NUM_R_BLOCKS
@@ -388,12 +384,8 @@ def prepare_shrink(
     segments: SegmentMeta | None = None,
     config: dict[str, int] | None = None,
     out_is_zero: bool = False,
-    launch_dependents: bool = False,
 ) -> ShrinkLaunch:
-    """Check ``lora_shrink``'s arguments and choose its launch (see ``lora_shrink`` for them); nothing runs.
-    ``launch_dependents`` (BGMV form): a kernel launched after it with programmatic dependent launch (the fused LoRA
-    GEMM, ``kernels/skinny_gemm.GemmLora``) may start as soon as all its programs have started, where PDL is
-    supported (``kernels/pdl.py``); the result is the same."""
+    """Check ``lora_shrink``'s arguments and choose its launch (see ``lora_shrink`` for them); nothing runs."""
     check_tensor("x", x, dtype=FLOAT_DTYPES, dims=2)
     device = x.device
     check_tensor("pool", pool, dtype=x.dtype, dims=1, device=device)
@@ -421,7 +413,7 @@ def prepare_shrink(
         cfg.update(config or {})
         num_r_blocks, k_split_len, split_k = grid_split(cfg, in_features, max_rank)
         meta = {**shrink_meta(cfg), "NUM_R_BLOCKS": num_r_blocks, "EVEN_K": in_features % cfg["BLOCK_K"] == 0,
-                "ROW_ALIGN": row_align, "LAUNCH_DEPENDENTS": launch_dependents and pdl_supported(device)}
+                "ROW_ALIGN": row_align}
         return ShrinkLaunch((num_tokens, split_k, num_slices * num_r_blocks), meta, k_split_len, split_k,
                             zero_out=split_k > 1 and not out_is_zero, single=single,
                             relaunch=relauncher(_lora_shrink_bgmv_kernel, **meta))

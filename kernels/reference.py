@@ -278,25 +278,9 @@ def ref_rope_kv_write(qk: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
 __all__ += ["ref_skinny_linear"]
 
 
-def ref_skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                      lora=None) -> torch.Tensor:
-    """Reference of ``kernels.skinny_gemm.skinny_linear``: x @ weight^T + bias in fp32, with a ``GemmLora``'s term
-    added (each row's y times its scaling rounded to x's dtype first, as the kernel rounds it; with
-    ``lora.a_row_offsets``, y computed from x here, as the launch computes it; the step tables unused), rounded
-    once to x's dtype."""
+def ref_skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference of ``kernels.skinny_gemm.skinny_linear``: x @ weight^T + bias in fp32, rounded once to x's dtype."""
     out = x.float() @ weight.float().T
     if bias is not None:
         out = out + bias.float()
-    if lora is not None:
-        slots = lora.token_slots.long()
-        row_scalings = lora.scalings[:, slots.clamp(min=0)]  # [NS, M]
-        y = lora.y
-        if lora.a_row_offsets is not None:
-            y = ref_lora_shrink(x, lora.pool, lora.a_row_offsets, lora.ranks, lora.token_slots, torch.empty_like(y))
-        y = (y * row_scalings[:, :, None]).to(x.dtype).float()
-        bounds = [0]
-        for width in lora.widths:
-            bounds.append(bounds[-1] + width)
-        ones = torch.ones_like(lora.scalings)
-        ref_lora_expand(y, lora.pool, lora.b_row_offsets, lora.ranks, ones, lora.token_slots, out, bounds)
     return out.to(x.dtype)

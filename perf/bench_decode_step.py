@@ -33,7 +33,7 @@ from backend.kv_cache import PagedKVCache
 from backend.model_config import PROJECTIONS, ModelConfig
 from backend.models.llama import AUTO_TRITON_MAX_ROWS, LlamaModel, weight_names
 from backend.unified_pool import UnifiedPool
-from kernels import paged_attention, pdl
+from kernels import paged_attention
 from perf.shapes import SHAPES
 from perf.stream_timeline import KernelEvent, format_split, kernel_events, split_step_time
 
@@ -182,9 +182,8 @@ def main() -> None:
                     help="the MLP's silu(gate) * up as the engine's kernel path runs it (fused), or as torch ops")
     ap.add_argument("--decode-lora-kernels", default="bgmv",
                     help="the LoRA kernels of the captured step (EngineConfig.decode_lora_kernels): bgmv (one program "
-                         "per token), sgmv (tokens grouped by adapter on the device), hybrid (BGMV shrink, SGMV "
-                         "expand) or fused (BGMV shrink, the expand inside the Triton base GEMM); comma-separated: "
-                         "each in turn, on the same model, pool and batch")
+                         "per token), sgmv (tokens grouped by adapter on the device) or hybrid (BGMV shrink, SGMV "
+                         "expand); comma-separated: each in turn, on the same model, pool and batch")
     ap.add_argument("--rope-kv", default="fused",
                     help="each layer's RoPE + KV-cache write as the engine's kernel path runs it (fused: one Triton "
                          "kernel) or as torch ops (torch); comma-separated: each in turn, on the same model and batch")
@@ -205,12 +204,6 @@ def main() -> None:
     ap.add_argument("--base-gemm", default="torch",
                     help="the base layers' GEMMs and the LM head (EngineConfig.base_gemm): torch (cuBLAS) or triton "
                          "(kernels/skinny_gemm.py, split-K); comma-separated: each in turn")
-    ap.add_argument("--fused-shrink", default="inside",
-                    help="decode_lora_kernels fused: the shrink inside the GEMM's launch (inside) or launched before "
-                         "it (launch; backend/lora_batch.FUSED_SHRINK_INSIDE); comma-separated: each in turn")
-    ap.add_argument("--pdl", default="on",
-                    help="decode_lora_kernels fused, shrink launched: the GEMM launched with programmatic dependent "
-                         "launch after it (on: kernels/pdl.py) or after it completes (off); comma-separated")
     ap.add_argument("--profile", action="store_true",
                     help="also print the step's kernels by GPU time (torch.profiler over 5 replays per adapter count)")
     ap.add_argument("--out", default=os.environ.get("OUT", "perf/results"))
@@ -259,14 +252,6 @@ def main() -> None:
     base_gemms = args.base_gemm.split(",")
     if not set(base_gemms) <= set(BASE_GEMMS):
         ap.error(f"--base-gemm takes {' and/or '.join(BASE_GEMMS)}, got {args.base_gemm!r}")
-    pdls = args.pdl.split(",")
-    if not set(pdls) <= {"on", "off"}:
-        ap.error(f"--pdl takes on and/or off, got {args.pdl!r}")
-    shrinks = args.fused_shrink.split(",")
-    if not set(shrinks) <= {"inside", "launch"}:
-        ap.error(f"--fused-shrink takes inside and/or launch, got {args.fused_shrink!r}")
-    # the fused form's (shrink, PDL) variants; the other forms have neither
-    fused_variants = [(sh, on) for sh in shrinks for on in (pdls if sh == "launch" else ["off"])]
     attention_splits = args.attention_splits.split(",")
     if not all(a == "auto" or (a.isdigit() and int(a) >= 1) for a in attention_splits):
         ap.error(f"--attention-splits takes auto and/or positive counts, got {args.attention_splits!r}")
@@ -280,14 +265,12 @@ def main() -> None:
     kv_bytes = args.batch * (args.context + 1) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
     rows = []
     capture_s = {}
-    variants = [(form, rope_kv, side, defer, order, gemm, splits, fv) for form in forms for rope_kv in rope_kvs
+    variants = [(form, rope_kv, side, defer, order, gemm, splits) for form in forms for rope_kv in rope_kvs
                 for side in side_streams for defer in defers for order in orders for gemm in base_gemms
-                for splits in attention_splits for fv in (fused_variants if form == "fused" else [("-", "off")])]
+                for splits in attention_splits]
     captured = []  # every variant's graphs, captured first and kept: the rounds then time them in turn
-    for form, rope_kv, side, defer, order, gemm, splits, (shrink, on) in variants:
+    for form, rope_kv, side, defer, order, gemm, splits in variants:
         paged_attention.SPLITS_OVERRIDE = None if splits == "auto" else int(splits)  # read at capture
-        pdl.ENABLED = on == "on"
-        lora_batch.FUSED_SHRINK_INSIDE = shrink == "inside"
         model.fuse_rope_kv = rope_kv == "fused"
         lora_batch.SIDE_STREAM = side == "on"
         lora_batch.DEFER_EXPAND = defer == "on"
@@ -299,17 +282,17 @@ def main() -> None:
         # AUTO_TRITON_MAX_ROWS tokens (LlamaModel._project)
         order = "after" if gemm == "auto" and args.batch <= AUTO_TRITON_MAX_ROWS else order
         label = (f"{form}, rope+kv {rope_kv}, side stream {side}, defer expand {defer}, shrink {order} gemm, "
-                 f"base gemm {gemm}, attention splits {splits}, fused shrink {shrink}, pdl {on}")
+                 f"base gemm {gemm}, attention splits {splits}")
         print(f"LoRA kernels of the decode step: {form}; RoPE + KV write: {rope_kv}; LoRA side stream: {side}; "
               f"deferred expand: {defer}; shrink captured {order} its GEMM; base GEMMs: {gemm}; "
-              f"attention splits: {splits}; fused form's shrink: {shrink}, PDL: {on}", flush=True)
+              f"attention splits: {splits}", flush=True)
         graphs.buckets = [args.batch]
         t0 = time.perf_counter()
         graphs._reset_padding(args.batch)
         graphs._capture(args.batch, True)
         graphs._capture(args.batch, False)
         capture_s[label] = round(time.perf_counter() - t0, 1)
-        captured.append(((form, rope_kv, side, defer, order, gemm, splits, shrink, on), label, graphs))
+        captured.append(((form, rope_kv, side, defer, order, gemm, splits), label, graphs))
 
     def replay(graphs: DecodeGraphs, n: int):
         """One decode step of the batch over n distinct adapters (0: base only, the graph without LoRA)."""
@@ -326,7 +309,7 @@ def main() -> None:
         for _, label, graphs in captured:
             for n in counts:
                 times.setdefault((label, n), []).append(time_ms(replay(graphs, n), args.iters))
-    for (form, rope_kv, side, defer, order, gemm, splits, shrink, on), label, graphs in captured:
+    for (form, rope_kv, side, defer, order, gemm, splits), label, graphs in captured:
         for n in counts:
             if args.profile:
                 try:
@@ -344,8 +327,6 @@ def main() -> None:
                     "shrink_order": order,
                     "base_gemm": gemm,
                     "attention_splits": splits,
-                    "fused_shrink": shrink,
-                    "pdl": on,
                     "adapters": n,
                     "step_ms": round(step_ms, 3),
                     "step_ms_rounds": [round(t, 3) for t in times[(label, n)]],
@@ -355,8 +336,6 @@ def main() -> None:
                 }
             )
     paged_attention.SPLITS_OVERRIDE = None
-    pdl.ENABLED = True
-    lora_batch.FUSED_SHRINK_INSIDE = True
     graphs._reset_padding(args.batch)  # the last form's tables: an eager base-only step over them
     eager_base = time_ms(lambda: model.forward(graphs._batch(args.batch), kv, None), 10)
 
@@ -382,12 +361,11 @@ def main() -> None:
     (Path(args.out) / "decode_step.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
     print(f"{'adapters':>8} {'step ms':>8} {'floor ms':>9} {'x floor':>8} {'tok/s':>9} {'vs base':>8}  LoRA kernels, "
-          "RoPE + KV write, LoRA side stream, deferred expand, shrink order, base GEMMs, attention splits, fused "
-          "form's shrink, PDL")
+          "RoPE + KV write, LoRA side stream, deferred expand, shrink order, base GEMMs, attention splits")
 
     def variant(r: dict) -> tuple[str, ...]:
         return (r["lora_kernels"], r["rope_kv"], r["side_stream"], r["defer_expand"], r["shrink_order"],
-                r["base_gemm"], r["attention_splits"], r["fused_shrink"], r["pdl"])
+                r["base_gemm"], r["attention_splits"])
 
     base_ms = {variant(r): r["step_ms"] for r in rows if r["adapters"] == 0}
     for r in rows:

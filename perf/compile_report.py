@@ -233,45 +233,6 @@ def lora_launches(num_tokens: int, distinct: int, rank: int, segmented: bool | s
         lora_expand(y, pool, b_offs, ranks, scalings, slots, base, bounds, segments=segments, overwrite=deferred)
 
 
-def fused_gemm_launches(num_tokens: int = 64, distinct: int = 16, rank: int = 16, pdl: bool = True,
-                        inside: bool = False) -> None:
-    """decode_form "fused" over every Llama-3-8B projection group, bf16 pool with rows on 16 bytes: the base GEMM
-    adding the LoRA term (``GemmLora``), its shrink inside the launch (``inside``) or the BGMV shrink launched
-    before it (letting the GEMM start, with ``pdl``, and the GEMM waiting for it before the term). ``pdl`` compiles
-    the PDL forms whatever this machine supports."""
-    from unittest import mock
-
-    import torch
-
-    import kernels.lora_shrink as shrink_module
-    import kernels.skinny_gemm as gemm_module
-    from kernels.lora_meta import build_step_rows, build_step_slots
-
-    gen = torch.Generator().manual_seed(0)
-    slots = (torch.arange(num_tokens) % distinct)[torch.randperm(num_tokens, generator=gen)].to(torch.int32)
-    with mock.patch.object(shrink_module, "pdl_supported", lambda device: pdl), \
-            mock.patch.object(gemm_module, "pdl_supported", lambda device: pdl):
-        for in_f, widths in MODULES.values():
-            ns = len(widths)
-            a_offs = torch.arange(ns * distinct * rank, dtype=torch.int64).view(ns, distinct, rank) * in_f
-            b_offs = torch.arange(ns * distinct * rank, dtype=torch.int64).view(ns, distinct, rank) * max(widths)
-            pool = torch.empty(ns * distinct * rank * max(in_f, max(widths)), dtype=torch.bfloat16)
-            ranks = torch.full((ns, distinct), rank, dtype=torch.int32)
-            x = torch.empty(num_tokens, in_f, dtype=torch.bfloat16)
-            y = torch.zeros(ns, num_tokens, rank)
-            if not inside:
-                shrink = shrink_module.prepare_shrink(x, pool, a_offs, ranks, slots, y, launch_dependents=True,
-                                                      out_is_zero=True)
-                shrink.launch(x, pool, a_offs, ranks, slots, y)
-            step_slots = build_step_slots(slots, distinct, torch.stack([a_offs, b_offs]), 8)
-            block = gemm_module.r_block(rank)
-            a_step_rows = build_step_rows(a_offs, ranks, step_slots, block) if inside else None
-            term = gemm_module.GemmLora(y, pool, b_offs, ranks, torch.full((ns, distinct), 0.5), slots, step_slots,
-                                        build_step_rows(b_offs, ranks, step_slots, block), widths,
-                                        a_row_offsets=a_offs if inside else None, a_step_rows=a_step_rows)
-            gemm_module.skinny_linear(x, torch.empty(sum(widths), in_f, dtype=torch.bfloat16), lora=term)
-
-
 def moe_pair_launches(tokens: int = 64, distinct: int = 8, rank: int = 16) -> None:
     """The MoE-LoRA decode kernels (one program per (token, expert) pair) at the Qwen3-30B-A3B shape: hidden 2048,
     128 experts of intermediate 768, top-8; gate_up (two slices) and down, bf16 pool with rows on 16 bytes."""
@@ -376,11 +337,6 @@ def main() -> None:
         ("MoE-LoRA decode pairs, Qwen3-30B-A3B shape, T=64 d=8 r=16", moe_pair_launches),
         ("decode attention / norm / silu*mul", other_launches),
         (f"base GEMMs (split-K, base_gemm=triton) T={args.tokens}", lambda: gemm_launches(args.tokens)),
-        (f"decode_lora_kernels=fused: BGMV shrink + base GEMM with the LoRA term, PDL, T={args.tokens} "
-         f"d={args.distinct} r={args.rank}", lambda: fused_gemm_launches(args.tokens, args.distinct, args.rank)),
-        (f"decode_lora_kernels=fused: base GEMM with the shrink and the LoRA term inside, T={args.tokens} "
-         f"d={args.distinct} r={args.rank}",
-         lambda: fused_gemm_launches(args.tokens, args.distinct, args.rank, inside=True)),
     ):  # fmt: skip
         with compile_only() as reports:
             launch()

@@ -127,22 +127,6 @@ def assert_generations_match_peft(engine, base_dir: Path, adapters: dict[str, st
         assert res.token_ids == expected, f"adapter={adapter} prompt length {len(prompt)}"
 
 
-def count_fused_projections(monkeypatch) -> list[tuple[str, ...]]:
-    """The projection groups (modules) of every ``LoraBatch.project_fused`` call from now on (decode_form "fused":
-    the base GEMM adding the LoRA term; the call itself still runs)."""
-    from backend.lora_batch import LoraBatch
-
-    seen: list[tuple[str, ...]] = []
-    project_fused = LoraBatch.project_fused
-
-    def counted(self, x, weight, bias, layer, modules, widths):
-        seen.append(modules)
-        return project_fused(self, x, weight, bias, layer, modules, widths)
-
-    monkeypatch.setattr(LoraBatch, "project_fused", counted)
-    return seen
-
-
 def assert_pool_drained(engine) -> None:
     """No KV page left behind, page bookkeeping consistent, every idle adapter evictable."""
     pool = engine.pool

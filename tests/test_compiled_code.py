@@ -37,8 +37,6 @@ with cr.compile_only() as reports:
     cr.gemm_launches(5)   # a small eager step: 16-row tiles
     cr.gemm_launches(128)
     cr.gemm_launches(130, "float32")   # the engine tests' fp32 models: 4-byte operands
-    cr.fused_gemm_launches(64, 16, 16)   # decode_lora_kernels="fused": shrink + GEMM with the LoRA term, PDL
-    cr.fused_gemm_launches(64, 16, 16, inside=True)   # ... the shrink inside the GEMM's launch
 json.dump([asdict(r) for r in reports], sys.stdout)
 """
 
@@ -128,26 +126,9 @@ def test_the_split_k_gemm_streams_its_weight_through_shared_memory(compiled):
     and, where it splits K, reduce the partials through one counter per tile (its atomic add and its reset); with
     no split, no atomics at all. A plain load loop or a lost atomic would be a different kernel from the one
     benchmarked."""
-    gemms = [r for r in compiled if r["name"] == "_skinny_gemm_kernel" and not r["constexprs"]["HAS_LORA"]]
+    gemms = [r for r in compiled if r["name"] == "_skinny_gemm_kernel"]
     assert {r["constexprs"]["BLOCK_M"] for r in gemms} >= {16, 64}
     assert {r["constexprs"]["SPLIT_K"] > 1 for r in gemms} == {True, False}
     for r in gemms:
         assert int(r["async_loads"].get("128", 0)) > 0, (r["constexprs"], r["async_loads"])  # JSON: keys are str
         assert r["atomics"] == (2 if r["constexprs"]["SPLIT_K"] > 1 else 0), (r["constexprs"], r["atomics"])
-
-
-def test_the_fused_lora_gemm_streams_its_weight_and_reads_b_rows_16_bytes_at_a_time(compiled):
-    """decode_lora_kernels="fused": the GEMM adding the LoRA term (its shrink inside the launch, or launched before
-    it with PDL) keeps the plain GEMM's pipelined 16-byte weight stream and reads the paged B^T rows 16 bytes at a
-    time on the aligned path; the shrink launched ahead of it is compiled with the trigger that lets it start."""
-    fused = [r for r in compiled if r["name"] == "_skinny_gemm_kernel" and r["constexprs"].get("HAS_LORA")]
-    assert {(r["constexprs"]["PDL"], r["constexprs"]["SHRINK"]) for r in fused} == {(True, False), (False, True)}
-    assert {r["constexprs"]["SPLIT_K"] > 1 for r in fused} == {True, False}  # down_proj splits K at 64 rows
-    for r in fused:
-        lines = {where: ops for where, ops in r["by_line"].items() if where.startswith("expand_tiles.py")}
-        assert any(ops.get("cp.async.cg.shared.global[16B]", 0) or ops.get("ld.global.v4.b32", 0)
-                   for ops in lines.values()), (r["constexprs"], lines)
-        assert int(r["async_loads"].get("128", 0)) >= 60, (r["constexprs"], r["async_loads"])
-    shrinks = [r for r in compiled if r["name"] == "_lora_shrink_bgmv_kernel"]
-    assert {bool(r["constexprs"].get("LAUNCH_DEPENDENTS")) for r in shrinks} == {True, False}
-

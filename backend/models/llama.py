@@ -231,8 +231,6 @@ class LlamaModel:
             out = self._linear(x, weight, bias)
             lora.apply(x, out, i, modules, widths)
             return out, None
-        if lora.fuses_expand(x, widths):  # decode_form "fused": the shrink, then one GEMM adding the LoRA term
-            return lora.project_fused(x, weight, bias, i, modules, widths), None
         fork = lora.fork(x, gemm_first=self.base_gemm == "auto" and self._triton_gemm(x.shape[0]))
         # with a fork the GEMM's node comes first and the shrink's beside it (LoraBatch.fork); else the shrink first
         out = self._linear(x, weight, bias) if fork is not None else None

@@ -64,17 +64,11 @@
 #                                            # then with one pass (MANYLORA_ATTENTION_SPLITS=1)            ~5 min
 #   bash perf/h200/one_gpu.sh splits_long $OUT # long prompts at a low rate (4-8K tokens in, 128-256 out, 1 req/s):
 #                                            # the headline's engine with the splits, then with one pass  ~5 min
-#   bash perf/h200/one_gpu.sh lora_gemm $OUT # decode_lora_kernels fused (the expand inside the Triton base GEMM,
-#                                            # the shrink inside its launch or launched before it with PDL):
-#                                            # compiled tests, decode step bgmv / fused (shrink inside, launched; PDL
-#                                            # on, PDL_AB=on,off adds off) in interleaved rounds at batch 64 and 16,
-#                                            # the fused step's kernels                                    ~9 min
-#   bash perf/h200/one_gpu.sh lora_gemm_ab $OUT # the headline at n = 5, 100 with fused, bgmv, fused     ~6 min
 #   bash perf/h200/one_gpu.sh server $OUT    # tritonserver: TTFT at 50/90% of SATURATION, perf_analyzer at
 #                                            # concurrency 16 and request rates PA_RATES                    ~8 min
 # DECODE_LORA (bgmv|sgmv) and PREFILL (sdpa|paged) pick the engine's kernels in the headline part.
 set -u
-PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, defer_ab, rounds, order, auto, auto_ab, timeline, race, race_ab, sanitize, splits, splits_ab, splits_long, lora_gemm, lora_gemm_ab, headline, mixed, final, profile or server}
+PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, defer_ab, rounds, order, auto, auto_ab, timeline, race, race_ab, sanitize, splits, splits_ab, splits_long, headline, mixed, final, profile or server}
 OUT=${2:-/tmp/h200}
 ROOT=$PWD
 BASE=${BASE:-$ROOT/.baseline_s9}
@@ -589,45 +583,6 @@ splits_long)
   stamp "long prompts, attention one pass" $?
   rm -rf "$W/work"
   { summary_head; headline_lines long_auto; headline_lines long_one_pass; } > "$OUT/splits_long.txt" 2>&1
-  ;;
-lora_gemm)
-  # decode_lora_kernels "fused": the kernel's and the engine's compiled tests (against the reference, PEFT, graph
-  # replay equal to eager), the decode step bgmv / fused with PDL on and off in interleaved rounds, then the fused
-  # step's kernels by GPU time at 8 and 64 adapters
-  PYTHONPATH=$ROOT TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -p no:cacheprovider \
-    tests/kernels/test_gemm_lora.py tests/kernels/test_skinny_gemm.py > "$W/gpu_tests.txt" 2>&1
-  stamp "compiled kernel tests" $?
-  PYTHONPATH=$ROOT TRITON_INTERPRET=0 timeout 150 python3 -m pytest -q -p no:cacheprovider \
-    tests/kernels/test_engine_kernels.py -k "fused or (replay and bgmv)" > "$W/gpu_engine_tests.txt" 2>&1
-  stamp "compiled engine tests" $?
-  PYTHONPATH=$ROOT timeout 200 python3 -m perf.bench_decode_step --decode-lora-kernels bgmv,fused \
-    --fused-shrink inside,launch --pdl "${PDL_AB:-on}" --rounds 3 --out "$W/step" > "$W/step.txt" 2>&1
-  stamp "decode step bgmv / fused (shrink inside, launched with PDL ${PDL_AB:-on}), 3 rounds" $?
-  PYTHONPATH=$ROOT timeout 120 python3 -m perf.bench_decode_step --decode-lora-kernels bgmv,fused --batch 16 \
-    --adapters 0,4,16 --rounds 3 --out "$W/step_b16" > "$W/step_b16.txt" 2>&1
-  stamp "decode step at batch 16, bgmv / fused, 3 rounds" $?
-  PYTHONPATH=$ROOT timeout "$(time_left 560 60)" python3 -m perf.bench_decode_step --decode-lora-kernels fused \
-    --adapters 8,64 --rounds 1 --iters 20 --profile --out "$W/profile" > "$W/profile.txt" 2>&1
-  stamp "fused step profile" $?
-  {
-    summary_head
-    echo "== compiled engine tests"; grep -E "passed|failed|FAILED|rror" "$W/gpu_engine_tests.txt" | tail -n 8
-    for f in step step_b16; do
-      echo "== decode $f"; grep -E "^ *[0-9]+ +[0-9.]+ " "$W/$f.txt" | cut -c1-170
-    done
-    echo "== fused step kernels"; grep -E "^--|^ +[0-9.]+ ms|per step" "$W/profile.txt" | head -40 | cut -c1-150
-  } > "$OUT/lora_gemm.txt" 2>&1
-  ;;
-lora_gemm_ab)
-  headline headline_fused 200 --adapters 5 100 --decode-lora-kernels fused
-  stamp "headline, fused" $?
-  headline headline_bgmv "$(time_left 400 60)" --adapters 5 100 --decode-lora-kernels bgmv
-  stamp "headline, bgmv" $?
-  headline headline_fused2 "$(time_left 560 60)" --adapters 5 100 --decode-lora-kernels fused
-  stamp "headline, fused (again)" $?
-  rm -rf "$W/work"
-  { summary_head; headline_lines headline_fused; headline_lines headline_bgmv; headline_lines headline_fused2; } \
-    > "$OUT/lora_gemm_ab.txt" 2>&1
   ;;
 headline)
   headline headline 330 --adapters 5 100 1000 2000 --decode-lora-kernels "${DECODE_LORA:-bgmv}" \
