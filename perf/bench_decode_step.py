@@ -204,6 +204,13 @@ def main() -> None:
     ap.add_argument("--base-gemm", default="torch",
                     help="the base layers' GEMMs and the LM head (EngineConfig.base_gemm): torch (cuBLAS) or triton "
                          "(kernels/skinny_gemm.py, split-K); comma-separated: each in turn")
+    ap.add_argument("--blas", default="cublas",
+                    help="the cuBLAS interface torch's base GEMMs take (torch.backends.cuda.preferred_blas_library): "
+                         "cublas or cublaslt; comma-separated: each in turn")
+    ap.add_argument("--sm-carveout", default="none",
+                    help="SMs the base GEMMs leave free for the LoRA side stream (torch's experimental cuBLAS SM "
+                         "carveout, read when each graph is captured): none and/or counts; comma-separated: each in "
+                         "turn")
     ap.add_argument("--profile", action="store_true",
                     help="also print the step's kernels by GPU time (torch.profiler over 5 replays per adapter count)")
     ap.add_argument("--out", default=os.environ.get("OUT", "perf/results"))
@@ -252,6 +259,12 @@ def main() -> None:
     base_gemms = args.base_gemm.split(",")
     if not set(base_gemms) <= set(BASE_GEMMS):
         ap.error(f"--base-gemm takes {' and/or '.join(BASE_GEMMS)}, got {args.base_gemm!r}")
+    blases = args.blas.split(",")
+    if not set(blases) <= {"cublas", "cublaslt"}:
+        ap.error(f"--blas takes cublas and/or cublaslt, got {args.blas!r}")
+    carveouts = args.sm_carveout.split(",")
+    if not all(c == "none" or c.isdigit() for c in carveouts):
+        ap.error(f"--sm-carveout takes none and/or SM counts, got {args.sm_carveout!r}")
     attention_splits = args.attention_splits.split(",")
     if not all(a == "auto" or (a.isdigit() and int(a) >= 1) for a in attention_splits):
         ap.error(f"--attention-splits takes auto and/or positive counts, got {args.attention_splits!r}")
@@ -265,11 +278,13 @@ def main() -> None:
     kv_bytes = args.batch * (args.context + 1) * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
     rows = []
     capture_s = {}
-    variants = [(form, rope_kv, side, defer, order, gemm, splits) for form in forms for rope_kv in rope_kvs
-                for side in side_streams for defer in defers for order in orders for gemm in base_gemms
-                for splits in attention_splits]
+    variants = [(form, rope_kv, side, defer, order, gemm, splits, blas, carveout) for form in forms
+                for rope_kv in rope_kvs for side in side_streams for defer in defers for order in orders
+                for gemm in base_gemms for splits in attention_splits for blas in blases for carveout in carveouts]
     captured = []  # every variant's graphs, captured first and kept: the rounds then time them in turn
-    for form, rope_kv, side, defer, order, gemm, splits in variants:
+    for form, rope_kv, side, defer, order, gemm, splits, blas, carveout in variants:
+        torch.backends.cuda.preferred_blas_library(blas)  # both read when the graphs' GEMMs are captured
+        torch._C._set_sm_carveout_experimental(None if carveout == "none" else int(carveout))
         paged_attention.SPLITS_OVERRIDE = None if splits == "auto" else int(splits)  # read at capture
         model.fuse_rope_kv = rope_kv == "fused"
         lora_batch.SIDE_STREAM = side == "on"
@@ -282,17 +297,19 @@ def main() -> None:
         # AUTO_TRITON_MAX_ROWS tokens (LlamaModel._project)
         order = "after" if gemm == "auto" and args.batch <= AUTO_TRITON_MAX_ROWS else order
         label = (f"{form}, rope+kv {rope_kv}, side stream {side}, defer expand {defer}, shrink {order} gemm, "
-                 f"base gemm {gemm}, attention splits {splits}")
+                 f"base gemm {gemm}, attention splits {splits}, {blas}, carveout {carveout}")
         print(f"LoRA kernels of the decode step: {form}; RoPE + KV write: {rope_kv}; LoRA side stream: {side}; "
               f"deferred expand: {defer}; shrink captured {order} its GEMM; base GEMMs: {gemm}; "
-              f"attention splits: {splits}", flush=True)
+              f"attention splits: {splits}; {blas}, SM carveout {carveout}", flush=True)
         graphs.buckets = [args.batch]
         t0 = time.perf_counter()
         graphs._reset_padding(args.batch)
         graphs._capture(args.batch, True)
         graphs._capture(args.batch, False)
         capture_s[label] = round(time.perf_counter() - t0, 1)
-        captured.append(((form, rope_kv, side, defer, order, gemm, splits), label, graphs))
+        captured.append(((form, rope_kv, side, defer, order, gemm, splits, blas, carveout), label, graphs))
+    torch._C._set_sm_carveout_experimental(None)
+    torch.backends.cuda.preferred_blas_library("cublas")
 
     def replay(graphs: DecodeGraphs, n: int):
         """One decode step of the batch over n distinct adapters (0: base only, the graph without LoRA)."""
@@ -309,7 +326,7 @@ def main() -> None:
         for _, label, graphs in captured:
             for n in counts:
                 times.setdefault((label, n), []).append(time_ms(replay(graphs, n), args.iters))
-    for (form, rope_kv, side, defer, order, gemm, splits), label, graphs in captured:
+    for (form, rope_kv, side, defer, order, gemm, splits, blas, carveout), label, graphs in captured:
         for n in counts:
             if args.profile:
                 try:
@@ -327,6 +344,8 @@ def main() -> None:
                     "shrink_order": order,
                     "base_gemm": gemm,
                     "attention_splits": splits,
+                    "blas": blas,
+                    "sm_carveout": carveout,
                     "adapters": n,
                     "step_ms": round(step_ms, 3),
                     "step_ms_rounds": [round(t, 3) for t in times[(label, n)]],
@@ -361,11 +380,12 @@ def main() -> None:
     (Path(args.out) / "decode_step.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
     print(f"{'adapters':>8} {'step ms':>8} {'floor ms':>9} {'x floor':>8} {'tok/s':>9} {'vs base':>8}  LoRA kernels, "
-          "RoPE + KV write, LoRA side stream, deferred expand, shrink order, base GEMMs, attention splits")
+          "RoPE + KV write, LoRA side stream, deferred expand, shrink order, base GEMMs, attention splits, BLAS, SM "
+          "carveout")
 
     def variant(r: dict) -> tuple[str, ...]:
         return (r["lora_kernels"], r["rope_kv"], r["side_stream"], r["defer_expand"], r["shrink_order"],
-                r["base_gemm"], r["attention_splits"])
+                r["base_gemm"], r["attention_splits"], r["blas"], r["sm_carveout"])
 
     base_ms = {variant(r): r["step_ms"] for r in rows if r["adapters"] == 0}
     for r in rows:

@@ -1,6 +1,7 @@
 """The base layers' GEMMs at decode batch sizes: kernels/skinny_gemm.py against F.linear (cuBLAS) (not a test).
 
     PYTHONPATH=. python perf/bench_gemm.py [--rows 1,16,64,128] [--sweep] [--rep-ms 5] [--out PATH]
+        [--blas cublas|cublaslt] [--sm-carveout N]
 
 A model's projections (``--shape``, default Llama-3-8B: q/k/v fused, o, gate/up fused, down) and LM head in bf16,
 x of ``rows`` tokens. Each GEMM is timed with ``triton.testing.do_bench_cudagraph`` (median), cycling over enough
@@ -75,13 +76,21 @@ def main() -> None:
     parser.add_argument("--shapes", default="qkv,o,gate_up,down,lm_head", help="the GEMMs, a comma-separated subset")
     parser.add_argument("--sweep", action="store_true", help="also time a grid of configs (see SWEEP)")
     parser.add_argument("--rep-ms", type=int, default=5)
+    parser.add_argument("--blas", choices=["cublas", "cublaslt"], default="cublas",
+                        help="the cuBLAS interface F.linear takes (torch.backends.cuda.preferred_blas_library)")
+    parser.add_argument("--sm-carveout", type=int, default=None,
+                        help="SMs cuBLAS leaves free (torch's experimental SM carveout); default none")
     args = parser.parse_args()
+    torch.backends.cuda.preferred_blas_library(args.blas)
+    torch._C._set_sm_carveout_experimental(args.sm_carveout)
     start = time.time()
     torch.manual_seed(0)
     copy_bw = copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; F.linear: "
+          f"{args.blas}, SM carveout {args.sm_carveout}")
     print(f"copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s", flush=True)
-    records: list[dict] = [{"kind": "copy", "bytes_per_s": copy_bw, "shape": args.shape}]
+    records: list[dict] = [{"kind": "copy", "bytes_per_s": copy_bw, "shape": args.shape, "blas": args.blas,
+                            "sm_carveout": args.sm_carveout}]
     shapes = gemm_shapes(ModelConfig.from_dict(SHAPES[args.shape]))
     for name in args.shapes.split(","):
         out_f, in_f = shapes[name]

@@ -49,6 +49,9 @@
 #   bash perf/h200/one_gpu.sh timeline $OUT  # where the decode step's time goes (base work running / LoRA kernels
 #                                            # alone / idle) per variant: side stream x deferred expand, base
 #                                            # GEMMs torch / triton; 3 rounds each, profiled               ~5 min
+#   bash perf/h200/one_gpu.sh carveout $OUT  # cuBLAS's SM carveout for the LoRA side stream: the base GEMMs alone
+#                                            # (cublas / cublaslt x carveout), decode step over blas x carveout
+#                                            # x shrink order, 3 rounds                                     ~7 min
 #   bash perf/h200/one_gpu.sh sanitize $OUT  # compute-sanitizer memcheck over the compiled tests of the segmented
 #                                            # decode forms (kernels with device-built tables, no caching
 #                                            # allocator; the engine's graph replay and PEFT tests) and of
@@ -68,7 +71,7 @@
 #                                            # concurrency 16 and request rates PA_RATES                    ~8 min
 # DECODE_LORA (bgmv|sgmv) and PREFILL (sdpa|paged) pick the engine's kernels in the headline part.
 set -u
-PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, defer_ab, rounds, order, auto, auto_ab, timeline, race, race_ab, sanitize, splits, splits_ab, splits_long, headline, mixed, final, profile or server}
+PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, defer_ab, rounds, order, auto, auto_ab, timeline, carveout, race, race_ab, sanitize, splits, splits_ab, splits_long, headline, mixed, final, profile or server}
 OUT=${2:-/tmp/h200}
 ROOT=$PWD
 BASE=${BASE:-$ROOT/.baseline_s9}
@@ -462,6 +465,36 @@ timeline)
       grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth|^-- |per step:|waited" "$f" | cut -c1-200
     done
   } > "$OUT/timeline.txt" 2>&1
+  ;;
+carveout)
+  # cuBLAS's SM carveout (torch._C._set_sm_carveout_experimental: the base GEMMs target fewer SMs, leaving the rest
+  # to the LoRA side stream's kernels): each base GEMM at 64 rows alone, F.linear through cublas / cublaslt x
+  # carveout none / 16 / 32; then the decode step over blas x carveout none / 8 / 16 / 32 x shrink captured before /
+  # after its GEMM, 3 interleaved rounds
+  for blas in cublas cublaslt; do
+    for c in none 16 32; do
+      extra=()
+      [ "$c" != none ] && extra=(--sm-carveout "$c")
+      PYTHONPATH=$ROOT timeout 60 python3 perf/bench_gemm.py --rows 64 --shapes qkv,o,gate_up,down --blas "$blas" \
+        "${extra[@]}" --out "$W/gemm_${blas}_$c.jsonl" > "$W/gemm_${blas}_$c.txt" 2>&1
+      stamp "GEMMs at 64 rows, $blas, carveout $c" $?
+    done
+  done
+  PYTHONPATH=$ROOT timeout "$(time_left 570 60)" python3 -m perf.bench_decode_step --blas cublas,cublaslt \
+    --sm-carveout none,8,16,32 --shrink-order before,after --rounds 3 --out "$W/step" > "$W/step.txt" 2>&1
+  stamp "decode step: blas x SM carveout x shrink order, 3 rounds" $?
+  PYTHONPATH=$ROOT timeout "$(time_left 585 20)" python3 -m perf.bench_decode_step --adapters 8,64 \
+    --blas "${PROFILE_BLAS:-cublaslt}" --sm-carveout none,"${PROFILE_CARVEOUT:-16}" --shrink-order after --rounds 1 \
+    --profile --out "$W/step_profile" > "$W/step_profile.txt" 2>&1
+  stamp "decode step profiled, carveout none / ${PROFILE_CARVEOUT:-16}" $?
+  {
+    summary_head
+    for f in "$W"/gemm_*.txt; do
+      echo "== $(basename "$f" .txt)"; grep -E "^(qkv|o|gate_up|down) " "$f"
+    done
+    echo "== decode step"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$W/step.txt" | cut -c1-220
+    echo "== profiled"; grep -E "^ *[0-9]+ +[0-9.]+ |^-- |per step:|waited|gemm|nvjet|sm90|cutlass" "$W/step_profile.txt" | cut -c1-220
+  } > "$OUT/carveout.txt" 2>&1
   ;;
 race)
   # the segmented decode forms after the side-stream fix (b26b390): each of their compiled engine tests in its own
