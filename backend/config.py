@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 # adapter's B rows once).
 DECODE_FORMS = ("bgmv", "sgmv", "hybrid")
 BASE_GEMMS = ("torch", "triton", "auto")  # EngineConfig.base_gemm
+DECODE_BLAS = ("cublas", "cublaslt")  # EngineConfig.decode_gemm_blas (backend/decode_gemms.py)
 
 
 @dataclass
@@ -44,6 +45,11 @@ class EngineConfig:
             at 128, so opt-in); "auto": the Triton GEMM in CUDA-graph steps with adapters of at most 64 tokens,
             each LoRA shrink captured after its GEMM (``LoraBatch.fork``; the pair's decode step measured 1.2-7.6%
             faster than cuBLAS with the shrink first), cuBLAS everywhere else. Larger steps always take torch.
+        decode_gemm_blas: the cuBLAS interface of the base GEMMs in captured decode steps: "cublaslt" (its GEMMs
+            at 64 rows took 0.95x of cuBLAS's time over a layer on the H200) or "cublas" (torch's default).
+        decode_gemm_sm_carveout: in captured decode steps with adapters, SMs the base GEMMs leave free for the LoRA
+            kernels running beside them, whose shrinks are then captured after their GEMMs
+            (``backend/decode_gemms.py``); cuBLASLt only; 0: none (the GEMMs fill the GPU).
         prefill_attention: "sdpa" (each prefill chunk through torch's fused attention over its
             gathered cache) or "paged" (prefill tokens join the decode rows in the paged-attention
             kernel: one launch per layer for the whole step, no gathers; keys are re-read per query
@@ -114,6 +120,8 @@ class EngineConfig:
     fuse_silu_mul: bool = True
     fuse_rope_kv: bool = True
     base_gemm: str = "torch"
+    decode_gemm_blas: str = "cublaslt"
+    decode_gemm_sm_carveout: int = 32
     cuda_graphs: bool = True
     mixed_step_graphs: bool = True
     warmup: bool = True
@@ -143,6 +151,7 @@ class EngineConfig:
         check_decode_form_name(self.decode_lora_kernels, "EngineConfig.decode_lora_kernels")
         if self.base_gemm not in BASE_GEMMS:
             raise ValueError(f"EngineConfig.base_gemm must be one of {BASE_GEMMS}, got {self.base_gemm!r}")
+        check_decode_gemm_settings(self.decode_gemm_blas, self.decode_gemm_sm_carveout)
         if not 0.0 <= self.host_cache_fraction <= 1.0:
             raise ValueError(f"EngineConfig.host_cache_fraction must be in [0, 1], got {self.host_cache_fraction}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
@@ -187,6 +196,18 @@ def check_decode_form_name(name: str, what: str = "decode_lora_kernels") -> None
     """Raise a ValueError naming ``what`` unless ``name`` is one of DECODE_FORMS."""
     if name not in DECODE_FORMS:
         raise ValueError(f"{what} must be one of {', '.join(DECODE_FORMS)}, got {name!r}")
+
+
+def check_decode_gemm_settings(blas: str, sm_carveout: int, what: str = "EngineConfig") -> None:
+    """Raise a ValueError naming the setting unless ``blas`` is one of DECODE_BLAS and ``sm_carveout`` is a count
+    the chosen interface honours."""
+    if blas not in DECODE_BLAS:
+        raise ValueError(f"{what}.decode_gemm_blas must be one of {', '.join(DECODE_BLAS)}, got {blas!r}")
+    if sm_carveout < 0:
+        raise ValueError(f"{what}.decode_gemm_sm_carveout must be >= 0, got {sm_carveout}")
+    if sm_carveout and blas != "cublaslt":
+        raise ValueError(f"{what}.decode_gemm_sm_carveout={sm_carveout} needs decode_gemm_blas='cublaslt' (the "
+                         f"cuBLAS interface ignores an SM target), got {blas!r}")
 
 
 def _env_flag(name: str) -> bool:

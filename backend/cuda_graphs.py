@@ -15,6 +15,8 @@ import torch
 
 from backend.adapter_packing import num_module_slots
 from backend.adapter_pool import ResidentAdapter
+from backend.config import check_decode_gemm_settings
+from backend.decode_gemms import DecodeGemmSettings, applied
 from backend.kv_cache import PagedKVCache
 from backend.lora_batch import LoraBatch, moe_lora_expressible
 from backend.model_config import PROJECTIONS
@@ -64,24 +66,28 @@ class AdapterTables:
 
 
 def capture_forward(model: LlamaModel, kv: PagedKVCache, batch: StepBatch, lora: LoraBatch | None,
-                    pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+                    pool, gemms: DecodeGemmSettings | None = None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """Two warm-up forwards of batch on a side stream (they compile kernels and fill launcher caches), then one
     captured into a new graph in memory pool ``pool``; returns the graph and its logits (rewritten by each replay).
     The model knows all three are for a graph (``LlamaModel.graph_forward``): the warm-ups take the kernels the
-    capture will (base_gemm "auto"), so that those make their workspaces outside the capture."""
+    capture will (base_gemm "auto"), so that those make their workspaces outside the capture. ``gemms``: the base
+    GEMMs' cuBLAS interface and SM carveout for all three (``backend/decode_gemms.py``; None: torch's)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     model.graph_forward = True
+    model.lora_gemm_first = gemms is not None and gemms.gemm_first
     try:
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                model.forward(batch, kv, lora)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            logits = model.forward(batch, kv, lora)
+        with applied(gemms, model.device):
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    model.forward(batch, kv, lora)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = model.forward(batch, kv, lora)
     finally:
         model.graph_forward = False
+        model.lora_gemm_first = False
     return graph, logits
 
 
@@ -89,8 +95,13 @@ class DecodeGraphs:
     """Captures and replays decode steps for batch sizes up to max_batch."""
 
     def __init__(self, model: LlamaModel, kv: PagedKVCache, scratch_page: int, max_batch: int, max_blocks: int,
-                 max_loras: int, max_rank: int, decode_form: str = "bgmv") -> None:
+                 max_loras: int, max_rank: int, decode_form: str = "bgmv", gemm_blas: str = "cublas",
+                 gemm_sm_carveout: int = 0) -> None:
+        check_decode_gemm_settings(gemm_blas, gemm_sm_carveout, "DecodeGraphs")
         self.model, self.kv = model, kv
+        # the base GEMMs' cuBLAS interface, and the SMs they leave to the LoRA side stream in graphs with adapters
+        # (backend/decode_gemms.py)
+        self.gemm_blas, self.gemm_sm_carveout = gemm_blas, gemm_sm_carveout
         cfg, dev = model.cfg, model.device
         self.scratch_page = scratch_page
         self.decode_form = decode_form  # the LoRA kernels; with segments ("sgmv", "hybrid") built in the graph
@@ -132,8 +143,10 @@ class DecodeGraphs:
         log.info("captured decode graphs for batch sizes %s", self.buckets)
 
     def _capture(self, size: int, with_lora: bool) -> None:
+        gemms = DecodeGemmSettings.for_graph(self.gemm_blas, self.gemm_sm_carveout, with_lora)
         self._graphs[(size, with_lora)] = capture_forward(self.model, self.kv, self._batch(size),
-                                                          self._lora(size) if with_lora else None, self._pool)
+                                                          self._lora(size) if with_lora else None, self._pool,
+                                                          gemms)
 
     def _reset_padding(self, size: int) -> None:
         page_size = self.kv.page_size

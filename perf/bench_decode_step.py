@@ -27,7 +27,7 @@ from backend import lora_batch
 from backend.adapter import AdapterSpec
 from backend.adapter_packing import PackedAdapter, _layout
 from backend.adapter_pool import AdapterPool
-from backend.config import BASE_GEMMS, check_decode_form_name
+from backend.config import BASE_GEMMS, EngineConfig, check_decode_form_name
 from backend.cuda_graphs import DecodeGraphs, DecodeInputs
 from backend.kv_cache import PagedKVCache
 from backend.model_config import PROJECTIONS, ModelConfig
@@ -36,6 +36,8 @@ from backend.unified_pool import UnifiedPool
 from kernels import paged_attention
 from perf.shapes import SHAPES
 from perf.stream_timeline import KernelEvent, format_split, kernel_events, split_step_time
+
+ENGINE_DEFAULTS = EngineConfig(model_dir="")
 
 
 def random_model(cfg: ModelConfig, max_len: int, device: str, dtype: torch.dtype) -> LlamaModel:
@@ -204,13 +206,14 @@ def main() -> None:
     ap.add_argument("--base-gemm", default="torch",
                     help="the base layers' GEMMs and the LM head (EngineConfig.base_gemm): torch (cuBLAS) or triton "
                          "(kernels/skinny_gemm.py, split-K); comma-separated: each in turn")
-    ap.add_argument("--blas", default="cublas",
-                    help="the cuBLAS interface torch's base GEMMs take (torch.backends.cuda.preferred_blas_library): "
+    ap.add_argument("--blas", default=ENGINE_DEFAULTS.decode_gemm_blas,
+                    help="the cuBLAS interface of the captured step's base GEMMs (EngineConfig.decode_gemm_blas): "
                          "cublas or cublaslt; comma-separated: each in turn")
-    ap.add_argument("--sm-carveout", default="none",
-                    help="SMs the base GEMMs leave free for the LoRA side stream (torch's experimental cuBLAS SM "
-                         "carveout, read when each graph is captured): none and/or counts; comma-separated: each in "
-                         "turn")
+    ap.add_argument("--sm-carveout", default=str(ENGINE_DEFAULTS.decode_gemm_sm_carveout),
+                    help="SMs the base GEMMs of the steps with adapters leave to the LoRA side stream, each shrink "
+                         "then captured after its GEMM whatever --shrink-order says "
+                         "(EngineConfig.decode_gemm_sm_carveout; cuBLASLt only: combinations with cublas are "
+                         "skipped); comma-separated: each in turn")
     ap.add_argument("--profile", action="store_true",
                     help="also print the step's kernels by GPU time (torch.profiler over 5 replays per adapter count)")
     ap.add_argument("--out", default=os.environ.get("OUT", "perf/results"))
@@ -263,8 +266,9 @@ def main() -> None:
     if not set(blases) <= {"cublas", "cublaslt"}:
         ap.error(f"--blas takes cublas and/or cublaslt, got {args.blas!r}")
     carveouts = args.sm_carveout.split(",")
-    if not all(c == "none" or c.isdigit() for c in carveouts):
-        ap.error(f"--sm-carveout takes none and/or SM counts, got {args.sm_carveout!r}")
+    if not all(c.isdigit() for c in carveouts):
+        ap.error(f"--sm-carveout takes SM counts (0: none), got {args.sm_carveout!r}")
+    carveouts = [int(c) for c in carveouts]
     attention_splits = args.attention_splits.split(",")
     if not all(a == "auto" or (a.isdigit() and int(a) >= 1) for a in attention_splits):
         ap.error(f"--attention-splits takes auto and/or positive counts, got {args.attention_splits!r}")
@@ -280,11 +284,11 @@ def main() -> None:
     capture_s = {}
     variants = [(form, rope_kv, side, defer, order, gemm, splits, blas, carveout) for form in forms
                 for rope_kv in rope_kvs for side in side_streams for defer in defers for order in orders
-                for gemm in base_gemms for splits in attention_splits for blas in blases for carveout in carveouts]
+                for gemm in base_gemms for splits in attention_splits for blas in blases for carveout in carveouts
+                # a carveout needs cuBLASLt and captures each shrink after its GEMM: one order of it
+                if not carveout or (blas == "cublaslt" and order == orders[-1])]
     captured = []  # every variant's graphs, captured first and kept: the rounds then time them in turn
     for form, rope_kv, side, defer, order, gemm, splits, blas, carveout in variants:
-        torch.backends.cuda.preferred_blas_library(blas)  # both read when the graphs' GEMMs are captured
-        torch._C._set_sm_carveout_experimental(None if carveout == "none" else int(carveout))
         paged_attention.SPLITS_OVERRIDE = None if splits == "auto" else int(splits)  # read at capture
         model.fuse_rope_kv = rope_kv == "fused"
         lora_batch.SIDE_STREAM = side == "on"
@@ -292,7 +296,8 @@ def main() -> None:
         lora_batch.SHRINK_AFTER_GEMM = order == "after"
         model.base_gemm = gemm
         graphs = DecodeGraphs(model, kv, scratch, args.batch, blocks, max(max(counts), 1), args.rank,
-                              decode_form=form)
+                              decode_form=form, gemm_blas=blas, gemm_sm_carveout=carveout)
+        order = "after" if carveout else order
         # base_gemm "auto" captures the shrink after its Triton GEMM whatever --shrink-order says, up to
         # AUTO_TRITON_MAX_ROWS tokens (LlamaModel._project)
         order = "after" if gemm == "auto" and args.batch <= AUTO_TRITON_MAX_ROWS else order
@@ -308,8 +313,6 @@ def main() -> None:
         graphs._capture(args.batch, False)
         capture_s[label] = round(time.perf_counter() - t0, 1)
         captured.append(((form, rope_kv, side, defer, order, gemm, splits, blas, carveout), label, graphs))
-    torch._C._set_sm_carveout_experimental(None)
-    torch.backends.cuda.preferred_blas_library("cublas")
 
     def replay(graphs: DecodeGraphs, n: int):
         """One decode step of the batch over n distinct adapters (0: base only, the graph without LoRA)."""

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from backend.config import BASE_GEMMS, DECODE_FORMS
+from backend.config import BASE_GEMMS, DECODE_BLAS, DECODE_FORMS
 from perf.checkpoint import SHAPES, write_adapter_catalogue, write_base
 from perf.plots import throughput_vs_adapters, ttft_cdf
 from perf.report import SLO_TTFT_S, Summary, markdown_table
@@ -62,6 +62,8 @@ class HeadlineConfig:
     prefill_attention: str = "sdpa"  # EngineConfig.prefill_attention
     decode_lora_kernels: str = "bgmv"  # EngineConfig.decode_lora_kernels
     base_gemm: str = "torch"  # EngineConfig.base_gemm
+    decode_gemm_blas: str = "cublaslt"  # EngineConfig.decode_gemm_blas
+    decode_gemm_sm_carveout: int = 32  # EngineConfig.decode_gemm_sm_carveout
     mixed_step_graphs: bool = True  # EngineConfig.mixed_step_graphs
     slo_s: float = SLO_TTFT_S
     seed: int = 0
@@ -178,6 +180,8 @@ def run(cfg: HeadlineConfig, out: Path) -> dict:
                 prefill_attention=cfg.prefill_attention,
                 decode_lora_kernels=cfg.decode_lora_kernels,
                 base_gemm=cfg.base_gemm,
+                decode_gemm_blas=cfg.decode_gemm_blas,
+                decode_gemm_sm_carveout=cfg.decode_gemm_sm_carveout,
                 mixed_step_graphs=cfg.mixed_step_graphs,
                 max_model_len=cfg.input_range[1] + cfg.output_range[1] + 8,
             )
@@ -361,6 +365,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[HeadlineConfig, Path]:
     p.add_argument("--prefill-attention", choices=["sdpa", "paged"])
     p.add_argument("--decode-lora-kernels", choices=list(DECODE_FORMS))
     p.add_argument("--base-gemm", choices=list(BASE_GEMMS))
+    p.add_argument("--decode-gemm-blas", choices=list(DECODE_BLAS))
+    p.add_argument("--decode-gemm-sm-carveout", type=int)
     p.add_argument("--no-mixed-step-graphs", action="store_false", dest="mixed_step_graphs", default=None,
                    help="run prefill and mixed steps eagerly (EngineConfig.mixed_step_graphs=False)")
     p.add_argument("--slo", type=float, dest="slo_s")

@@ -101,6 +101,7 @@ class LlamaModel:
     comm: Comm | None = None  # a tensor-parallel rank's collectives (backend/tp_runtime.py); None: one device
     graph_forward: bool = False  # the forwards are a CUDA-graph capture or its warm-ups (backend/cuda_graphs.py)
     lora_capture: bool = False  # this forward is one of those, with a LoraBatch (set by forward)
+    lora_gemm_first: bool = False  # a capture whose base GEMMs leave SMs to the LoRA side stream: shrinks after GEMMs
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], max_len: int, device: str,
                  dtype: torch.dtype) -> None:
@@ -223,15 +224,16 @@ class LlamaModel:
         consumer adds a LoraDelta) where the LoraBatch allows it, (the base output, its LoRA term computed beside
         the GEMM). On the kernel path the shrink is launched before the base GEMM (it needs only x: captured decode
         steps run it on a side stream beside the GEMM, and the deferred expand after it), or, captured with
-        ``SHRINK_AFTER_GEMM`` or base_gemm "auto"'s Triton GEMM, right after the GEMM and from the same point
-        (``LoraBatch.fork``)."""
+        ``SHRINK_AFTER_GEMM``, base_gemm "auto"'s Triton GEMM or an SM carveout for the GEMMs (``lora_gemm_first``),
+        right after the GEMM and from the same point (``LoraBatch.fork``)."""
         if lora is None:
             return self._linear(x, weight, bias), None
         if not lora.use_kernels:
             out = self._linear(x, weight, bias)
             lora.apply(x, out, i, modules, widths)
             return out, None
-        fork = lora.fork(x, gemm_first=self.base_gemm == "auto" and self._triton_gemm(x.shape[0]))
+        gemm_first = self.lora_gemm_first or (self.base_gemm == "auto" and self._triton_gemm(x.shape[0]))
+        fork = lora.fork(x, gemm_first=gemm_first)
         # with a fork the GEMM's node comes first and the shrink's beside it (LoraBatch.fork); else the shrink first
         out = self._linear(x, weight, bias) if fork is not None else None
         pending = lora.shrink(x, i, modules, after=fork)

@@ -52,6 +52,9 @@
 #   bash perf/h200/one_gpu.sh carveout $OUT  # cuBLAS's SM carveout for the LoRA side stream: the base GEMMs alone
 #                                            # (cublas / cublaslt x carveout), decode step over blas x carveout
 #                                            # x shrink order, 3 rounds                                     ~7 min
+#   bash perf/h200/one_gpu.sh carveout_ab $OUT  # the engine's decode-graph GEMM settings: compiled tests, decode step
+#                                            # over blas x carveout x order (4 rounds), headline defaults / cuBLAS
+#                                            # without carveout at n = 5, 100                               ~9.5 min
 #   bash perf/h200/one_gpu.sh sanitize $OUT  # compute-sanitizer memcheck over the compiled tests of the segmented
 #                                            # decode forms (kernels with device-built tables, no caching
 #                                            # allocator; the engine's graph replay and PEFT tests) and of
@@ -71,7 +74,7 @@
 #                                            # concurrency 16 and request rates PA_RATES                    ~8 min
 # DECODE_LORA (bgmv|sgmv) and PREFILL (sdpa|paged) pick the engine's kernels in the headline part.
 set -u
-PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, defer_ab, rounds, order, auto, auto_ab, timeline, carveout, race, race_ab, sanitize, splits, splits_ab, splits_long, headline, mixed, final, profile or server}
+PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, defer_ab, rounds, order, auto, auto_ab, timeline, carveout, carveout_ab, race, race_ab, sanitize, splits, splits_ab, splits_long, headline, mixed, final, profile or server}
 OUT=${2:-/tmp/h200}
 ROOT=$PWD
 BASE=${BASE:-$ROOT/.baseline_s9}
@@ -495,6 +498,23 @@ carveout)
     echo "== decode step"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$W/step.txt" | cut -c1-220
     echo "== profiled"; grep -E "^ *[0-9]+ +[0-9.]+ |^-- |per step:|waited|gemm|nvjet|sm90|cutlass" "$W/step_profile.txt" | cut -c1-220
   } > "$OUT/carveout.txt" 2>&1
+  ;;
+carveout_ab)
+  # the decode graphs' GEMM settings (EngineConfig.decode_gemm_blas / decode_gemm_sm_carveout, backend/decode_gemms.py)
+  # as the engine applies them: their compiled tests (graph replay equal to eager with and without the carveout, the
+  # engine against PEFT), the decode step over cublas / cublaslt x carveout 0 / 32 / 48 / 64 x shrink order in 4
+  # interleaved rounds, then the headline at n = 5, 100 with the defaults and with cuBLAS without a carveout
+  compiled_tests 150 tests/test_decode_gemms.py tests/kernels/test_engine_kernels.py \
+    -k "decode_gemms or (replay_equals_eager and bgmv) or llama-sdpa-True-bgmv"
+  PYTHONPATH=$ROOT timeout 200 python3 -m perf.bench_decode_step --blas cublas,cublaslt --sm-carveout 0,32,48,64 \
+    --shrink-order before,after --rounds 4 --out "$W/step" > "$W/step.txt" 2>&1
+  stamp "decode step: blas x SM carveout x shrink order, 4 rounds" $?
+  headline headline_default 115 --adapters 5 100
+  stamp "headline, cuBLASLt + carveout 32 (the defaults)" $?
+  headline headline_cublas "$(time_left 570 60)" --adapters 5 100 --decode-gemm-blas cublas --decode-gemm-sm-carveout 0
+  stamp "headline, cuBLAS, no carveout" $?
+  rm -rf "$W/work"
+  ab_summary headline_default headline_cublas > "$OUT/carveout_ab.txt" 2>&1
   ;;
 race)
   # the segmented decode forms after the side-stream fix (b26b390): each of their compiled engine tests in its own

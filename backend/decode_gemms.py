@@ -1,0 +1,69 @@
+"""How a captured decode step's base GEMMs share the GPU with the LoRA side stream: cuBLAS's interface and SM carveout.
+
+In a captured decode step each LoRA shrink and deferred expand runs on a side stream beside its base GEMM
+(``backend/lora_batch.py``). A GEMM whose grid fills every SM leaves those kernels nothing to run on until its
+tiles drain, and their programs, once scheduled, hold SMs the GEMM's next tiles wanted. cuBLASLt can aim a GEMM at
+fewer SMs (``CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET``, which torch sets from its experimental "SM carveout"; the
+plain cuBLAS interface does not honour it): the LoRA kernels then get SMs of their own, and the shrink is captured
+after its GEMM (``LoraBatch.fork``) so that the GEMM's tiles are placed first. Both settings are read when a GEMM
+is captured, so they are applied around each decode graph's warm-ups and capture and restored after: prefill and
+mixed steps keep torch's defaults.
+
+Measured on the H200 (perf/results/2026-12-03-h200/8_carveout/): the GEMMs at 64 rows alone through cuBLASLt took
+0.95x of cuBLAS's time over a layer's four; the decode step at batch 64 with 8 / 32 / 64 adapters 2.4-12% faster in
+each of 3 rounds with cuBLASLt, a carveout of 32 SMs and the shrink after its GEMM than with the previous settings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DecodeGemmSettings:
+    """What one decode graph's capture runs its base GEMMs with."""
+
+    blas: str  # torch.backends.cuda.preferred_blas_library: "cublas" or "cublaslt"
+    sm_carveout: int  # SMs the GEMMs leave free (0: none; cuBLASLt only)
+
+    @property
+    def gemm_first(self) -> bool:
+        """Whether the side-stream shrink is captured after its GEMM (``LoraBatch.fork``): with a carveout, so
+        that the GEMM's tiles take their SMs before the shrink's programs take the rest."""
+        return self.sm_carveout > 0
+
+    @classmethod
+    def for_graph(cls, blas: str, sm_carveout: int, with_lora: bool) -> DecodeGemmSettings:
+        """A decode graph's settings: the carveout only where a LoRA side stream runs beside the GEMMs (a
+        base-only step would just lose the SMs)."""
+        return cls(blas=blas, sm_carveout=sm_carveout if with_lora else 0)
+
+
+def check_carveout_fits(sm_carveout: int, device: str) -> None:
+    """Raise a ValueError unless the device keeps at least one SM for the GEMMs after the carveout."""
+    sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+    if sm_carveout >= sms:
+        raise ValueError(f"EngineConfig.decode_gemm_sm_carveout={sm_carveout} leaves no SM of {device}'s {sms} "
+                         "to the GEMMs")
+
+
+@contextmanager
+def applied(settings: DecodeGemmSettings | None, device: str) -> Iterator[None]:
+    """Within: torch's cuBLAS interface and SM carveout as ``settings`` say (CUDA devices only; None or a CPU
+    device: unchanged); torch's previous values restored after."""
+    if settings is None or not str(device).startswith("cuda"):
+        yield
+        return
+    blas_before = torch.backends.cuda.preferred_blas_library()
+    carveout_before = torch._C._get_sm_carveout_experimental()
+    torch.backends.cuda.preferred_blas_library(settings.blas)
+    torch._C._set_sm_carveout_experimental(settings.sm_carveout or None)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(carveout_before)
+        torch.backends.cuda.preferred_blas_library(blas_before)

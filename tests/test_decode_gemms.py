@@ -1,0 +1,55 @@
+"""The decode graphs' base-GEMM settings (backend/decode_gemms.py, EngineConfig.decode_gemm_blas /
+decode_gemm_sm_carveout): what each graph is captured with, the configuration's checks, and (on a GPU) that torch's
+cuBLAS settings hold inside a capture's context only."""
+
+import pytest
+import torch
+
+from backend.config import EngineConfig
+from backend.decode_gemms import DecodeGemmSettings, applied
+
+
+@pytest.mark.parametrize("with_lora", [True, False])
+@pytest.mark.parametrize("blas, carveout", [("cublaslt", 32), ("cublaslt", 0), ("cublas", 0)])
+def test_only_graphs_with_adapters_carve_out_sms(blas, carveout, with_lora):
+    settings = DecodeGemmSettings.for_graph(blas, carveout, with_lora)
+    assert settings.blas == blas
+    assert settings.sm_carveout == (carveout if with_lora else 0)
+    # the shrink goes after its GEMM exactly where the GEMM leaves it SMs
+    assert settings.gemm_first == (with_lora and carveout > 0)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"decode_gemm_blas": "cutlass"}, "decode_gemm_blas must be one of cublas, cublaslt, got 'cutlass'"),
+    ({"decode_gemm_sm_carveout": -1}, "decode_gemm_sm_carveout must be >= 0, got -1"),
+    ({"decode_gemm_blas": "cublas", "decode_gemm_sm_carveout": 8},
+     "decode_gemm_sm_carveout=8 needs decode_gemm_blas='cublaslt'"),
+])  # fmt: skip
+def test_bad_settings_are_refused_by_name(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        EngineConfig(model_dir="m", **kwargs)
+
+
+def test_settings_come_from_strings_like_the_other_parameters():
+    config = EngineConfig.from_strings({"model_dir": "m", "decode_gemm_blas": "cublas", "decode_gemm_sm_carveout": "0"})
+    assert (config.decode_gemm_blas, config.decode_gemm_sm_carveout) == ("cublas", 0)
+
+
+def test_a_cpu_device_leaves_torch_alone():
+    before = torch._C._get_sm_carveout_experimental()
+    with applied(DecodeGemmSettings("cublaslt", 16), "cpu"):
+        assert torch._C._get_sm_carveout_experimental() == before
+    assert torch._C._get_sm_carveout_experimental() == before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLASLt settings need a GPU")
+def test_settings_hold_inside_the_context_and_are_restored():
+    blas, carveout = torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental()
+    with applied(DecodeGemmSettings("cublaslt", 16), "cuda"):
+        assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
+        assert torch._C._get_sm_carveout_experimental() == 16
+        with applied(DecodeGemmSettings("cublaslt", 0), "cuda"):  # a base-only graph: no carveout
+            assert torch._C._get_sm_carveout_experimental() is None
+        assert torch._C._get_sm_carveout_experimental() == 16
+    assert torch.backends.cuda.preferred_blas_library() == blas
+    assert torch._C._get_sm_carveout_experimental() == carveout
