@@ -388,7 +388,7 @@ def main() -> None:
 
     def variant(r: dict) -> tuple[str, ...]:
         return (r["lora_kernels"], r["rope_kv"], r["side_stream"], r["defer_expand"], r["shrink_order"],
-                r["base_gemm"], r["attention_splits"], r["blas"], r["sm_carveout"])
+                r["base_gemm"], r["attention_splits"], r["blas"], str(r["sm_carveout"]))
 
     base_ms = {variant(r): r["step_ms"] for r in rows if r["adapters"] == 0}
     for r in rows:

@@ -55,6 +55,8 @@
 #   bash perf/h200/one_gpu.sh carveout_ab $OUT  # the engine's decode-graph GEMM settings: compiled tests, decode step
 #                                            # over blas x carveout x order (4 rounds), headline defaults / cuBLAS
 #                                            # without carveout at n = 5, 100                               ~9.5 min
+#   bash perf/h200/one_gpu.sh carveout_tests $OUT  # every compiled engine test that captures graphs under the new
+#                                            # defaults; the default step against cuBLAS, profiled          ~9 min
 #   bash perf/h200/one_gpu.sh sanitize $OUT  # compute-sanitizer memcheck over the compiled tests of the segmented
 #                                            # decode forms (kernels with device-built tables, no caching
 #                                            # allocator; the engine's graph replay and PEFT tests) and of
@@ -74,7 +76,7 @@
 #                                            # concurrency 16 and request rates PA_RATES                    ~8 min
 # DECODE_LORA (bgmv|sgmv) and PREFILL (sdpa|paged) pick the engine's kernels in the headline part.
 set -u
-PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, defer_ab, rounds, order, auto, auto_ab, timeline, carveout, carveout_ab, race, race_ab, sanitize, splits, splits_ab, splits_long, headline, mixed, final, profile or server}
+PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, defer_ab, rounds, order, auto, auto_ab, timeline, carveout, carveout_ab, carveout_tests, race, race_ab, sanitize, splits, splits_ab, splits_long, headline, mixed, final, profile or server}
 OUT=${2:-/tmp/h200}
 ROOT=$PWD
 BASE=${BASE:-$ROOT/.baseline_s9}
@@ -515,6 +517,21 @@ carveout_ab)
   stamp "headline, cuBLAS, no carveout" $?
   rm -rf "$W/work"
   ab_summary headline_default headline_cublas > "$OUT/carveout_ab.txt" 2>&1
+  ;;
+carveout_tests)
+  # after the decode graphs' defaults changed (cuBLASLt, 32 SMs left to the LoRA side stream): every compiled engine
+  # test that captures graphs (dense, MoE, mixed steps, warm-up) and the settings' own; then the default decode step
+  # against cuBLAS without a carveout, profiled (where the step's time goes)
+  compiled_tests 330 tests/test_decode_gemms.py tests/kernels/test_engine_kernels.py tests/kernels/test_step_graphs.py \
+    tests/kernels/test_moe_graph_mode.py
+  PYTHONPATH=$ROOT timeout "$(time_left 570 60)" python3 -m perf.bench_decode_step --adapters 0,8,64 \
+    --blas cublas,cublaslt --sm-carveout 0,32 --shrink-order after --rounds 2 --profile --out "$W/step" \
+    > "$W/step.txt" 2>&1
+  stamp "decode step: cuBLAS / cuBLASLt + carveout 32, profiled" $?
+  {
+    summary_head
+    echo "== decode step"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth|^-- |per step:|waited" "$W/step.txt" | cut -c1-220
+  } > "$OUT/carveout_tests.txt" 2>&1
   ;;
 race)
   # the segmented decode forms after the side-stream fix (b26b390): each of their compiled engine tests in its own
