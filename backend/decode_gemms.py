@@ -9,9 +9,13 @@ after its GEMM (``LoraBatch.fork``) so that the GEMM's tiles are placed first. B
 is captured, so they are applied around each decode graph's warm-ups and capture and restored after: prefill and
 mixed steps keep torch's defaults.
 
-Measured on the H200 (perf/results/2026-12-03-h200/8_carveout/): the GEMMs at 64 rows alone through cuBLASLt took
-0.95x of cuBLAS's time over a layer's four; the decode step at batch 64 with 8 / 32 / 64 adapters 2.4-12% faster in
-each of 3 rounds with cuBLASLt, a carveout of 32 SMs and the shrink after its GEMM than with the previous settings.
+Measured on the H200 (perf/results/2026-12-03-h200/8_carveout/, 9_carveout_ab/; Llama-3-8B shapes, batch 64, rank
+16): a layer's four GEMMs at 64 rows alone took 0.95x of cuBLAS's time through cuBLASLt (the down projection 0.89x);
+the decode step with 8 / 32 / 64 adapters took 0.95 / 0.97 / 0.96x of the previous settings' (cuBLAS, no carveout,
+shrink first) with these (cuBLASLt, 32 SMs, shrink after), 4 interleaved rounds, of which cuBLASLt alone (shrink
+after) gave 0.97 / 0.98 / 0.97x; base-only 0.96x (cuBLASLt). An earlier run of 3 rounds gave 0.90 / 0.91 / 0.92x.
+The plain cuBLAS interface timed the same with and without a carveout. End to end (the headline at n = 5 / 100, one
+sample each) the two settings served the same: 17.26 / 16.96 against 17.24 / 17.05 req/s.
 """
 
 from __future__ import annotations
