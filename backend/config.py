@@ -49,7 +49,8 @@ class EngineConfig:
             at 64 rows took 0.95x of cuBLAS's time over a layer on the H200) or "cublas" (torch's default).
         decode_gemm_sm_carveout: in captured decode steps with adapters, SMs the base GEMMs leave free for the LoRA
             kernels running beside them, whose shrinks are then captured after their GEMMs
-            (``backend/decode_gemms.py``); cuBLASLt only; 0: none (the GEMMs fill the GPU).
+            (``backend/decode_gemms.py``); cuBLASLt only; 0: none (the GEMMs fill the GPU); None: 32 of every 132
+            SMs (the H200's measured setting, scaled to the device), 0 with "cublas".
         prefill_attention: "sdpa" (each prefill chunk through torch's fused attention over its
             gathered cache) or "paged" (prefill tokens join the decode rows in the paged-attention
             kernel: one launch per layer for the whole step, no gathers; keys are re-read per query
@@ -121,7 +122,7 @@ class EngineConfig:
     fuse_rope_kv: bool = True
     base_gemm: str = "torch"
     decode_gemm_blas: str = "cublaslt"
-    decode_gemm_sm_carveout: int = 32
+    decode_gemm_sm_carveout: int | None = None
     cuda_graphs: bool = True
     mixed_step_graphs: bool = True
     warmup: bool = True
@@ -198,11 +199,13 @@ def check_decode_form_name(name: str, what: str = "decode_lora_kernels") -> None
         raise ValueError(f"{what} must be one of {', '.join(DECODE_FORMS)}, got {name!r}")
 
 
-def check_decode_gemm_settings(blas: str, sm_carveout: int, what: str = "EngineConfig") -> None:
+def check_decode_gemm_settings(blas: str, sm_carveout: int | None, what: str = "EngineConfig") -> None:
     """Raise a ValueError naming the setting unless ``blas`` is one of DECODE_BLAS and ``sm_carveout`` is a count
     the chosen interface honours."""
     if blas not in DECODE_BLAS:
         raise ValueError(f"{what}.decode_gemm_blas must be one of {', '.join(DECODE_BLAS)}, got {blas!r}")
+    if sm_carveout is None:
+        return
     if sm_carveout < 0:
         raise ValueError(f"{what}.decode_gemm_sm_carveout must be >= 0, got {sm_carveout}")
     if sm_carveout and blas != "cublaslt":

@@ -47,12 +47,21 @@ class DecodeGemmSettings:
         return cls(blas=blas, sm_carveout=sm_carveout if with_lora else 0)
 
 
-def check_carveout_fits(sm_carveout: int, device: str) -> None:
-    """Raise a ValueError unless the device keeps at least one SM for the GEMMs after the carveout."""
-    sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
-    if sm_carveout >= sms:
-        raise ValueError(f"EngineConfig.decode_gemm_sm_carveout={sm_carveout} leaves no SM of {device}'s {sms} "
-                         "to the GEMMs")
+# The carveout measured on the H200 (32 of its 132 SMs); EngineConfig.decode_gemm_sm_carveout None scales it to the
+# device's SM count
+MEASURED_CARVEOUT, MEASURED_SMS = 32, 132
+
+
+def sm_carveout_for(sm_carveout: int | None, blas: str, device_sms: int) -> int:
+    """The SMs a decode graph with adapters leaves to the LoRA kernels on a device of ``device_sms`` SMs:
+    ``sm_carveout``, or for None 32 of every 132 (the H200's measured setting; 0 through cuBLAS, which ignores a
+    target). Raises a ValueError naming the setting when it would leave the GEMMs no SM."""
+    if sm_carveout is None:
+        return device_sms * MEASURED_CARVEOUT // MEASURED_SMS if blas == "cublaslt" else 0
+    if sm_carveout >= device_sms:
+        raise ValueError(f"EngineConfig.decode_gemm_sm_carveout={sm_carveout} leaves none of the device's "
+                         f"{device_sms} SMs to the GEMMs")
+    return sm_carveout
 
 
 @contextmanager

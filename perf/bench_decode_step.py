@@ -29,6 +29,7 @@ from backend.adapter_packing import PackedAdapter, _layout
 from backend.adapter_pool import AdapterPool
 from backend.config import BASE_GEMMS, EngineConfig, check_decode_form_name
 from backend.cuda_graphs import DecodeGraphs, DecodeInputs
+from backend.decode_gemms import MEASURED_SMS, sm_carveout_for
 from backend.kv_cache import PagedKVCache
 from backend.model_config import PROJECTIONS, ModelConfig
 from backend.models.llama import AUTO_TRITON_MAX_ROWS, LlamaModel, weight_names
@@ -209,7 +210,8 @@ def main() -> None:
     ap.add_argument("--blas", default=ENGINE_DEFAULTS.decode_gemm_blas,
                     help="the cuBLAS interface of the captured step's base GEMMs (EngineConfig.decode_gemm_blas): "
                          "cublas or cublaslt; comma-separated: each in turn")
-    ap.add_argument("--sm-carveout", default=str(ENGINE_DEFAULTS.decode_gemm_sm_carveout),
+    ap.add_argument("--sm-carveout", default=str(sm_carveout_for(ENGINE_DEFAULTS.decode_gemm_sm_carveout,
+                                                                 ENGINE_DEFAULTS.decode_gemm_blas, MEASURED_SMS)),
                     help="SMs the base GEMMs of the steps with adapters leave to the LoRA side stream, each shrink "
                          "then captured after its GEMM whatever --shrink-order says "
                          "(EngineConfig.decode_gemm_sm_carveout; cuBLASLt only: combinations with cublas are "

@@ -63,7 +63,7 @@ class HeadlineConfig:
     decode_lora_kernels: str = "bgmv"  # EngineConfig.decode_lora_kernels
     base_gemm: str = "torch"  # EngineConfig.base_gemm
     decode_gemm_blas: str = "cublaslt"  # EngineConfig.decode_gemm_blas
-    decode_gemm_sm_carveout: int = 32  # EngineConfig.decode_gemm_sm_carveout
+    decode_gemm_sm_carveout: int | None = None  # EngineConfig.decode_gemm_sm_carveout (None: 32 on the H200)
     mixed_step_graphs: bool = True  # EngineConfig.mixed_step_graphs
     slo_s: float = SLO_TTFT_S
     seed: int = 0

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from backend.config import EngineConfig
-from backend.decode_gemms import DecodeGemmSettings, applied
+from backend.decode_gemms import DecodeGemmSettings, applied, sm_carveout_for
 
 
 @pytest.mark.parametrize("with_lora", [True, False])
@@ -33,6 +33,22 @@ def test_bad_settings_are_refused_by_name(kwargs, message):
 def test_settings_come_from_strings_like_the_other_parameters():
     config = EngineConfig.from_strings({"model_dir": "m", "decode_gemm_blas": "cublas", "decode_gemm_sm_carveout": "0"})
     assert (config.decode_gemm_blas, config.decode_gemm_sm_carveout) == ("cublas", 0)
+    config = EngineConfig.from_strings({"model_dir": "m", "decode_gemm_sm_carveout": "none"})
+    assert config.decode_gemm_sm_carveout is None
+
+
+@pytest.mark.parametrize("sm_carveout, blas, sms, expected", [
+    (None, "cublaslt", 132, 32), (None, "cublaslt", 108, 26), (None, "cublaslt", 28, 6), (None, "cublas", 132, 0),
+    (0, "cublaslt", 132, 0), (48, "cublaslt", 132, 48), (131, "cublaslt", 132, 131)])  # fmt: skip
+def test_the_default_carveout_scales_with_the_device(sm_carveout, blas, sms, expected):
+    """None: the H200's measured 32 of 132 SMs in proportion, so a smaller GPU still keeps most SMs for its GEMMs
+    (a fixed 32 would take all of a 28-SM GPU's); through cuBLAS none; an explicit count is taken as given."""
+    assert sm_carveout_for(sm_carveout, blas, sms) == expected
+
+
+def test_a_carveout_that_leaves_no_sm_is_refused_by_name():
+    with pytest.raises(ValueError, match="decode_gemm_sm_carveout=40 leaves none of the device's 40 SMs"):
+        sm_carveout_for(40, "cublaslt", 40)
 
 
 def test_a_cpu_device_leaves_torch_alone():
