@@ -64,6 +64,12 @@ def sm_carveout_for(sm_carveout: int | None, blas: str, device_sms: int) -> int:
     return sm_carveout
 
 
+def device_sm_carveout(sm_carveout: int | None, blas: str, device: str) -> int:
+    """``sm_carveout_for`` on CUDA device ``device``'s SM count."""
+    sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+    return sm_carveout_for(sm_carveout, blas, sms)
+
+
 @contextmanager
 def applied(settings: DecodeGemmSettings | None, device: str) -> Iterator[None]:
     """Within: torch's cuBLAS interface and SM carveout as ``settings`` say (CUDA devices only; None or a CPU

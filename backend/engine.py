@@ -25,7 +25,7 @@ from backend.adapter_process_loader import SHM_DIR, choose_directory
 from backend.catalogue import AdapterCatalogue
 from backend.config import EngineConfig, ModelKernelOptions
 from backend.cuda_graphs import DecodeGraphs
-from backend.decode_gemms import sm_carveout_for
+from backend.decode_gemms import device_sm_carveout
 from backend.detokenize import IncrementalDecoder, load_tokenizer
 from backend.devices import default_load_processes, resolve_device, resolve_kernels
 from backend.errors import ErrorCode, RequestError
@@ -195,8 +195,7 @@ class Engine:
 
     def _capture_graphs(self) -> None:
         t0 = time.perf_counter()
-        sms = torch.cuda.get_device_properties(torch.device(self.device)).multi_processor_count
-        carveout = sm_carveout_for(self.config.decode_gemm_sm_carveout, self.config.decode_gemm_blas, sms)
+        carveout = device_sm_carveout(self.config.decode_gemm_sm_carveout, self.config.decode_gemm_blas, self.device)
         scratch = self.pool.pages.allocate(ReservedPage("cuda-graph padding"), 1)[0]
         max_blocks = self.kv.pages_needed(self.max_len)
         self.graphs = DecodeGraphs(self.model, self.kv, scratch, self.config.max_num_seqs, max_blocks,

@@ -27,7 +27,7 @@ from backend import lora_batch
 from backend.adapter import AdapterSpec
 from backend.adapter_packing import PackedAdapter, _layout
 from backend.adapter_pool import AdapterPool
-from backend.config import BASE_GEMMS, EngineConfig, check_decode_form_name
+from backend.config import BASE_GEMMS, DECODE_BLAS, EngineConfig, check_decode_form_name
 from backend.cuda_graphs import DecodeGraphs, DecodeInputs
 from backend.decode_gemms import MEASURED_SMS, sm_carveout_for
 from backend.kv_cache import PagedKVCache
@@ -265,8 +265,8 @@ def main() -> None:
     if not set(base_gemms) <= set(BASE_GEMMS):
         ap.error(f"--base-gemm takes {' and/or '.join(BASE_GEMMS)}, got {args.base_gemm!r}")
     blases = args.blas.split(",")
-    if not set(blases) <= {"cublas", "cublaslt"}:
-        ap.error(f"--blas takes cublas and/or cublaslt, got {args.blas!r}")
+    if not set(blases) <= set(DECODE_BLAS):
+        ap.error(f"--blas takes {' and/or '.join(DECODE_BLAS)}, got {args.blas!r}")
     carveouts = args.sm_carveout.split(",")
     if not all(c.isdigit() for c in carveouts):
         ap.error(f"--sm-carveout takes SM counts (0: none), got {args.sm_carveout!r}")
