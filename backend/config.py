@@ -8,10 +8,8 @@ from dataclasses import dataclass, field, fields
 # The LoRA kernels of steps under 64 tokens (decode_lora_kernels; backend/lora_batch.py applies them): "bgmv", one
 # program per token for shrink and expand; "sgmv", tokens grouped by adapter slot for both; "hybrid", the BGMV
 # shrink (its K-split programs read a token's A rows in parallel) and the SGMV expand (a 16-row tile reads each
-# adapter's B rows once); "grouped", BGMV's grid and tables where each slot's first token's programs compute all of
-# that slot's tokens as tl.dot tiles (kernels/lora_grouped.py: no tables built per step, each adapter read once).
-DECODE_FORMS = ("bgmv", "sgmv", "hybrid", "grouped")
-SEGMENTED_FORMS = ("sgmv", "hybrid")  # the decode forms that group tokens in segment tables
+# adapter's B rows once).
+DECODE_FORMS = ("bgmv", "sgmv", "hybrid")
 BASE_GEMMS = ("torch", "triton", "auto")  # EngineConfig.base_gemm
 DECODE_BLAS = ("cublas", "cublaslt")  # EngineConfig.decode_gemm_blas (backend/decode_gemms.py)
 
@@ -60,9 +58,7 @@ class EngineConfig:
         decode_lora_kernels: the LoRA kernels of steps under 64 tokens (the decode steps): "bgmv" (one
             program per token, each reading its adapter's rows), "sgmv" (tokens grouped by adapter, 16-token
             tiles reading each adapter's rows once; a CUDA-graph step builds the groups on the device, in tables
-            of fixed shapes), "hybrid" (the BGMV shrink and the SGMV expand) or "grouped" (BGMV's grid, each
-            slot's first token's programs computing all of its tokens as tl.dot tiles, each adapter's rows read
-            once, nothing built per step). Kernel path only.
+            of fixed shapes) or "hybrid" (the BGMV shrink and the SGMV expand). Kernel path only.
         cuda_graphs: replay decode steps from CUDA graphs (CUDA with Triton kernels only).
         mixed_step_graphs: with cuda_graphs, replay the other steps (prefill chunks, alone or with decodes) from
             CUDA graphs too, one per token bucket up to max_num_batched_tokens (dense bases; steps with a

@@ -28,7 +28,7 @@ import torch
 
 from backend.adapter_packing import MODULE_INDEX, expert_slot
 from backend.adapter_pool import ResidentAdapter
-from backend.config import SEGMENTED_FORMS, check_decode_form_name
+from backend.config import check_decode_form_name
 from backend.model_config import PROJECTIONS
 
 if TYPE_CHECKING:
@@ -153,11 +153,10 @@ class LoraBatch:
         self._graph_experts = False
         small = len(token_slots) < SEGMENTED_MIN_TOKENS
         self._bgmv_shrink = small and decode_form == "hybrid"
-        self._grouped = small and decode_form == "grouped"
         self._expert_ranks_host = self.ranks[:, len(PROJECTIONS):].cpu() if self._has_expert_slots() else None
         self._expert_scalings_host = self.scalings[:, len(PROJECTIONS):].cpu() if self._has_expert_slots() else None
         if use_kernels:
-            if decode_form in SEGMENTED_FORMS or not small:
+            if decode_form != "bgmv" or not small:
                 from kernels.lora_meta import build_segments
 
                 self.segments = build_segments(torch.tensor(token_slots, dtype=torch.int32), device=device)
@@ -189,9 +188,8 @@ class LoraBatch:
         batch._shrink_scratch = None
         batch._moe_cache = None
         batch._launches = {}
-        batch._device_segments = decode_form in SEGMENTED_FORMS
+        batch._device_segments = decode_form != "bgmv"
         batch._bgmv_shrink = decode_form == "hybrid"
-        batch._grouped = decode_form == "grouped"
         batch._graph_experts = graph_experts
         batch._expert_ranks_host = batch._expert_scalings_host = None
         return batch
@@ -332,8 +330,7 @@ class LoraBatch:
         if launch is None:
             segments = None if self._bgmv_shrink else self.segments
             launch = self._launches[key] = prepare_shrink(x, self.pool, tables, ranks, self.token_slots, y,
-                                                          segments=segments, out_is_zero=scratch is not None,
-                                                          grouped=self._grouped)  # fmt: skip
+                                                          segments=segments, out_is_zero=scratch is not None)
             # a segmented launch's tile table is built by torch ops on the current stream (SegmentMeta.tiles)
             built_on_device = segments is not None
         # the side stream waits only now, after the preparation: waiting before it, the kernel could read a tile
@@ -393,7 +390,7 @@ class LoraBatch:
         if launch is None:
             bounds = list(itertools.accumulate(widths, initial=0))
             launch = self._launches[key] = prepare_expand(*args, bounds, segments=None if overwrite else self.segments,
-                                                          overwrite=overwrite, grouped=self._grouped)  # fmt: skip
+                                                          overwrite=overwrite)
         return launch, args
 
     def _apply_torch(self, x: torch.Tensor, out: torch.Tensor, layer: int, m: int) -> None:

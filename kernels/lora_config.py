@@ -13,10 +13,7 @@ import triton
 
 from kernels.lora_meta import cdiv, sgmv_block_m
 
-__all__ = [
-    "NUM_SMS", "bgmv_tile_expand_config", "expand_config", "grid_split", "grouped_expand_config", "shrink_config",
-    "shrink_meta",
-]  # fmt: skip
+__all__ = ["NUM_SMS", "bgmv_tile_expand_config", "expand_config", "grid_split", "shrink_config", "shrink_meta"]
 
 NUM_SMS = 132  # H200; the heuristics only need the order of magnitude
 _TARGET_PROGRAMS = 4 * NUM_SMS
@@ -39,14 +36,12 @@ def _shrink_config_cached(
     max_seg_len: int = 0,
     num_slices: int = 1,
     num_segments: int = 0,
-    grouped: bool = False,
 ) -> dict[str, int]:
     """Block sizes and K split for ``lora_shrink`` (a plain heuristic; tl.dot tiles stay >= 16).
 
     BGMV: one [BLOCK_R, BLOCK_K] tile of adapter rows is about 4096 elements; SPLIT_K splits
     ``in_features`` so the grid (tokens x K splits x slices x rank blocks) has several programs per
-    SM. Grouped BGMV (``grouped``): the same grid, tl.dot tiles of 16 tokens x BLOCK_R >= 16. SGMV:
-    tl.dot tiles of BLOCK_M tokens; SPLIT_K likewise when there are few tiles.
+    SM. SGMV: tl.dot tiles of BLOCK_M tokens; SPLIT_K likewise when there are few tiles.
     """
     k_cap = max(16, triton.next_power_of_2(in_features))
     if not segmented:
@@ -58,8 +53,6 @@ def _shrink_config_cached(
             block_k //= 2
         block_k = min(block_k, k_cap)
         split = _split_k(in_features, block_k, base)
-        if grouped:
-            return {"BLOCK_M": 16, "BLOCK_R": max(16, block_r), "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": 4}
         return {"BLOCK_R": block_r, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": 4}
     # measured on the H200 (perf/bench_sgmv_prefill.py --sweep, T = 4096, 8 adapters, rank 16): 32-row
     # tiles and 64-wide K blocks without a K split beat 64 x 128 with 4 splits by 1.6x (q/k/v) and
@@ -124,13 +117,6 @@ def _expand_config_cached(
 def expand_config(*args, **kwargs) -> dict[str, object]:
     """A fresh copy of the cached heuristic's choice (see ``_expand_config_cached``): callers may change it."""
     return dict(_expand_config_cached(*args, **kwargs))
-
-
-def grouped_expand_config(max_out: int, max_rank: int) -> dict[str, int]:
-    """Block sizes of the grouped BGMV expand (``kernels/lora_grouped.py``): tl.dot tiles of 16 tokens x BLOCK_R rank
-    rows (>= 16) x BLOCK_N columns."""
-    return {"BLOCK_M": 16, "BLOCK_R": min(64, max(16, triton.next_power_of_2(max(1, max_rank)))),
-            "BLOCK_N": min(128, max(16, triton.next_power_of_2(max_out))), "num_warps": 4}  # fmt: skip
 
 
 def shrink_meta(cfg: dict[str, int], always_atomic: bool = False) -> dict[str, int]:

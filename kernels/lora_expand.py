@@ -26,8 +26,7 @@ import triton
 import triton.language as tl
 
 from kernels.expand_tiles import add_scaled, bgmv_expand_rows, bgmv_expand_tile, load_b_rows, rows_aligned
-from kernels.lora_config import expand_config, grouped_expand_config
-from kernels.lora_grouped import lora_expand_grouped_kernel
+from kernels.lora_config import expand_config
 from kernels.lora_meta import FLOAT_DTYPES, SegmentMeta, cdiv, check_segments, check_shape, check_tensor
 from kernels.relaunch import Relauncher, relauncher
 
@@ -302,7 +301,6 @@ def lora_expand(
     segments: SegmentMeta | None = None,
     config: dict[str, int] | None = None,
     overwrite: bool = False,
-    grouped: bool = False,
 ) -> torch.Tensor:
     """LoRA expand over paged adapter rows, added in place into the base output (BGMV or SGMV).
 
@@ -342,8 +340,6 @@ def lora_expand(
         segments: optional SegmentMeta built from this ``token_slots``: use the SGMV form.
         config: optional block-size override (keys as returned by ``expand_config``).
         overwrite: write the LoRA term instead of adding it (see above); not with ``segments``.
-        grouped: BGMV's grid, each slot's first token's programs computing all of that slot's tokens as tl.dot
-            tiles (``kernels/lora_grouped.py``: a slot's B^T rows read once); not with ``segments``.
 
     ``lora_expand(...)`` is ``prepare_expand(...).launch(...)`` with the same tensors: callers that launch the
     same shapes many times (every layer of a step) prepare once.
@@ -352,7 +348,7 @@ def lora_expand(
         ``base_out``.
     """
     prepared = prepare_expand(y, pool, b_row_offsets, ranks, scalings, token_slots, base_out, slice_offsets,
-                              segments=segments, config=config, overwrite=overwrite, grouped=grouped)
+                              segments=segments, config=config, overwrite=overwrite)
     return prepared.launch(y, pool, b_row_offsets, ranks, scalings, token_slots, base_out)
 
 
@@ -369,11 +365,8 @@ def prepare_expand(
     segments: SegmentMeta | None = None,
     config: dict[str, int] | None = None,
     overwrite: bool = False,
-    grouped: bool = False,
 ) -> ExpandLaunch:
     """Check ``lora_expand``'s arguments and choose its launch (see ``lora_expand`` for them); nothing runs."""
-    if grouped and segments is not None:
-        raise ValueError("lora_expand's grouped form takes BGMV's grid: pass segments=None with grouped=True")
     if overwrite and segments is not None:
         raise ValueError("lora_expand's overwrite form is BGMV only: pass segments=None with overwrite=True")
     check_tensor("y", y, dtype=torch.float32, dims=(2, 3))
@@ -406,11 +399,6 @@ def prepare_expand(
         return nothing
     align = {"ROW_ALIGN": 16 // pool.element_size(),
              "COL_ALIGN": 16 // min(pool.element_size(), base_out.element_size())}
-    if segments is None and grouped:
-        cfg = {**grouped_expand_config(max_out, max_rank), **(config or {})}
-        meta = {**cfg, **align, "SPLIT_Y": pool.element_size() < 4, "DOT_PRECISION": "ieee", "OVERWRITE": overwrite}
-        return ExpandLaunch((num_tokens, cdiv(max_out, cfg["BLOCK_N"]), num_slices), meta, bounds, single,
-                            relaunch=relauncher(lora_expand_grouped_kernel, **meta))
     if segments is None:
         cfg = dict(config or expand_config(num_tokens, max_out, max_rank, segmented=False, num_slices=num_slices))
         meta = {"ROWS": True, **cfg, **align, "OVERWRITE": overwrite}

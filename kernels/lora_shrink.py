@@ -29,7 +29,6 @@ import triton
 import triton.language as tl
 
 from kernels.lora_config import grid_split, shrink_config, shrink_meta
-from kernels.lora_grouped import lora_shrink_grouped_kernel
 from kernels.lora_meta import FLOAT_DTYPES, SegmentMeta, check_segments, check_shape, check_tensor
 from kernels.relaunch import Relauncher, relauncher
 
@@ -315,9 +314,8 @@ def lora_shrink(
     segments: SegmentMeta | None = None,
     config: dict[str, int] | None = None,
     out_is_zero: bool = False,
-    grouped: bool = False,
 ) -> torch.Tensor:
-    """LoRA shrink over paged adapter rows, one launch for all slices (BGMV, grouped BGMV or SGMV).
+    """LoRA shrink over paged adapter rows, one launch for all slices (BGMV or SGMV).
 
     Semantics::
 
@@ -334,9 +332,7 @@ def lora_shrink(
 
     Without ``segments`` each token is its own program (BGMV, for decode). With ``segments``
     (from ``build_segments(token_slots)``) tokens sharing a slot are computed as tl.dot tiles
-    (SGMV, for prefill); the result is the same. ``grouped`` (without ``segments``): BGMV's grid, where each slot's
-    first token's programs compute all of that slot's tokens as tl.dot tiles (``kernels/lora_grouped.py``), so a
-    slot's rows are read once however many tokens it serves. Work stops at each slot's rank (rounded up to
+    (SGMV, for prefill); the result is the same. Work stops at each slot's rank (rounded up to
     BLOCK_R), and tokens with slot -1 read nothing.
 
     Split-K: ``in_features`` is cut into ``SPLIT_K`` chunks (``shrink_config`` picks it so the
@@ -368,13 +364,12 @@ def lora_shrink(
         config: optional override of ``shrink_config``'s keys (BLOCK_R, BLOCK_K, BLOCK_M,
             SPLIT_K, num_warps); keys left out take the heuristic's value.
         out_is_zero: ``out`` holds zeros already: the launcher does not zero it.
-        grouped: the grouped BGMV form (decode; not with ``segments``).
 
     Returns:
         ``out``.
     """
     prepared = prepare_shrink(x, pool, a_row_offsets, ranks, token_slots, out, segments=segments, config=config,
-                              out_is_zero=out_is_zero, grouped=grouped)
+                              out_is_zero=out_is_zero)
     return prepared.launch(x, pool, a_row_offsets, ranks, token_slots, out)
 
 
@@ -389,11 +384,8 @@ def prepare_shrink(
     segments: SegmentMeta | None = None,
     config: dict[str, int] | None = None,
     out_is_zero: bool = False,
-    grouped: bool = False,
 ) -> ShrinkLaunch:
     """Check ``lora_shrink``'s arguments and choose its launch (see ``lora_shrink`` for them); nothing runs."""
-    if grouped and segments is not None:
-        raise ValueError("lora_shrink's grouped form takes BGMV's grid: pass segments=None with grouped=True")
     check_tensor("x", x, dtype=FLOAT_DTYPES, dims=2)
     device = x.device
     check_tensor("pool", pool, dtype=x.dtype, dims=1, device=device)
@@ -417,17 +409,14 @@ def prepare_shrink(
         return dataclasses.replace(nothing, zero_out=True)
     row_align = 16 // pool.element_size()
     if segments is None:
-        cfg = shrink_config(num_tokens, in_features, max_rank, segmented=False, num_slices=num_slices, grouped=grouped)
+        cfg = shrink_config(num_tokens, in_features, max_rank, segmented=False, num_slices=num_slices)
         cfg.update(config or {})
         num_r_blocks, k_split_len, split_k = grid_split(cfg, in_features, max_rank)
         meta = {**shrink_meta(cfg), "NUM_R_BLOCKS": num_r_blocks, "EVEN_K": in_features % cfg["BLOCK_K"] == 0,
                 "ROW_ALIGN": row_align}
-        if grouped:
-            meta["DOT_PRECISION"] = "ieee"
-        kernel = lora_shrink_grouped_kernel if grouped else _lora_shrink_bgmv_kernel
         return ShrinkLaunch((num_tokens, split_k, num_slices * num_r_blocks), meta, k_split_len, split_k,
                             zero_out=split_k > 1 and not out_is_zero, single=single,
-                            relaunch=relauncher(kernel, **meta))
+                            relaunch=relauncher(_lora_shrink_bgmv_kernel, **meta))
 
     check_segments(segments, num_tokens, device)
     if segments.num_segments == 0:  # slot -1 tokens only: no program; their rows are zero

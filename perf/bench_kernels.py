@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.testing
 
-from kernels.lora_config import bgmv_tile_expand_config, expand_config, grouped_expand_config, shrink_config
+from kernels.lora_config import bgmv_tile_expand_config, expand_config, shrink_config
 from kernels.lora_expand import lora_expand
 from kernels.lora_meta import build_segments, build_segments_on_device, sgmv_block_m
 from kernels.lora_shrink import lora_shrink
@@ -154,21 +154,19 @@ def bench_lora(name, in_f, widths, rank, num_tokens, distinct, uni, copy_bw, for
         "expand": bench(cycling([partial(bmm_expand, b) for b in batches])),
     }
     def segments_of(b: Batch, form: str):
-        return {"bgmv": None, "grouped": None, "sgmv": b.segments, "sgmv-device": b.device_segments}[form]
+        return {"bgmv": None, "sgmv": b.segments, "sgmv-device": b.device_segments}[form]
 
     for form in forms:
         if form == "sgmv" and num_tokens == 1:
             continue
-        grouped = form == "grouped"
         calls = {
             "shrink": [
-                partial(lora_shrink, x, uni.pool, b.a_offs, ranks, b.slots, y, segments=segments_of(b, form),
-                        grouped=grouped)
+                partial(lora_shrink, x, uni.pool, b.a_offs, ranks, b.slots, y, segments=segments_of(b, form))
                 for b in batches
             ],
             "expand": [
                 partial(lora_expand, y, uni.pool, b.b_offs, ranks, scal, b.slots, base, bounds,
-                        segments=segments_of(b, form), grouped=grouped)
+                        segments=segments_of(b, form))
                 for b in batches
             ],
         }  # fmt: skip
@@ -179,9 +177,7 @@ def bench_lora(name, in_f, widths, rank, num_tokens, distinct, uni, copy_bw, for
             seg = segments_of(batches[0], form)
             if op == "shrink":
                 cfg = shrink_config(num_tokens, in_f, rank, seg is not None, seg.max_seg_len if seg else 0, ns,
-                                    seg.config_segments() if seg else 0, grouped)  # fmt: skip
-            elif grouped:
-                cfg = grouped_expand_config(max(widths), rank)
+                                    seg.config_segments() if seg else 0)  # fmt: skip
             else:
                 cfg = expand_config(num_tokens, max(widths), rank, seg is not None, seg.max_seg_len if seg else 0, ns)
             rec = {
@@ -338,8 +334,7 @@ def main():
     parser.add_argument("--out", default=default_out, help="JSON lines output (default $OUT/bench_kernels.jsonl)")
     parser.add_argument("--quick", action="store_true", help="rank 16 only, BGMV only (unless --forms)")
     parser.add_argument("--forms", default=None,
-                        help="comma-separated launch forms: bgmv (one program per token), grouped (BGMV's grid, "
-                             "each slot's tokens computed by its first token's programs), sgmv (host-built segments), "
+                        help="comma-separated launch forms: bgmv (one program per token), sgmv (host-built segments), "
                              "sgmv-device (fixed-shape segments built on the device, as a CUDA-graph decode step "
                              "with decode_lora_kernels=sgmv launches); default bgmv,sgmv,sgmv-device")
     parser.add_argument("--sweep", action="store_true", help="also sweep BGMV shrink configs (on --modules)")

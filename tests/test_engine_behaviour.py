@@ -193,8 +193,8 @@ def test_instance_device_follows_triton_placement():
 
 def test_decode_form_names_are_checked():
     """An unknown decode LoRA form is refused when the configuration is made, naming the knob and the choices."""
-    with pytest.raises(ValueError, match="decode_lora_kernels must be one of bgmv, sgmv, hybrid, grouped"):
-        EngineConfig(model_dir=".", decode_lora_kernels="grouped_by_slot")
+    with pytest.raises(ValueError, match="decode_lora_kernels must be one of bgmv, sgmv, hybrid"):
+        EngineConfig(model_dir=".", decode_lora_kernels="grouped")
 
 
 def test_base_gemm_knob_is_checked_and_read_from_config_strings():

@@ -72,14 +72,11 @@
 #                                            # then with one pass (MANYLORA_ATTENTION_SPLITS=1)            ~5 min
 #   bash perf/h200/one_gpu.sh splits_long $OUT # long prompts at a low rate (4-8K tokens in, 128-256 out, 1 req/s):
 #                                            # the headline's engine with the splits, then with one pass  ~5 min
-#   bash perf/h200/one_gpu.sh grouped $OUT   # the grouped BGMV decode form (each slot's tokens by its first token's
-#                                            # programs): compiled tests, decode step bgmv / grouped (3 rounds,
-#                                            # profiled), kernel benchmark of both forms at 16-256 tokens  ~9 min
 #   bash perf/h200/one_gpu.sh server $OUT    # tritonserver: TTFT at 50/90% of SATURATION, perf_analyzer at
 #                                            # concurrency 16 and request rates PA_RATES                    ~8 min
 # DECODE_LORA (bgmv|sgmv) and PREFILL (sdpa|paged) pick the engine's kernels in the headline part.
 set -u
-PART=${1:?part: kernels, forms, grouped, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, defer_ab, rounds, order, auto, auto_ab, timeline, carveout, carveout_ab, carveout_tests, race, race_ab, sanitize, splits, splits_ab, splits_long, headline, mixed, final, profile or server}
+PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, defer_ab, rounds, order, auto, auto_ab, timeline, carveout, carveout_ab, carveout_tests, race, race_ab, sanitize, splits, splits_ab, splits_long, headline, mixed, final, profile or server}
 OUT=${2:-/tmp/h200}
 ROOT=$PWD
 BASE=${BASE:-$ROOT/.baseline_s9}
@@ -535,25 +532,6 @@ carveout_tests)
     summary_head
     echo "== decode step"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth|^-- |per step:|waited" "$W/step.txt" | cut -c1-220
   } > "$OUT/carveout_tests.txt" 2>&1
-  ;;
-grouped)
-  # the grouped BGMV decode form (kernels/lora_grouped.py): compiled kernel tests and its engine tests (against PEFT,
-  # graph replay equal to eager), the decode step of bgmv and grouped in one process (interleaved rounds, then
-  # profiled), and the kernel benchmark of both forms
-  compiled_tests 150 tests/kernels/test_lora_kernels.py tests/kernels/test_engine_kernels.py \
-    -k "grouped or grid or half_precision or small_blocks"
-  PYTHONPATH=$ROOT timeout 170 python3 -m perf.bench_decode_step --decode-lora-kernels bgmv,grouped \
-    --shrink-order after --rounds 3 --profile --out "$W/step" > "$W/step.txt" 2>&1
-  stamp "decode step bgmv / grouped, 3 rounds, profiled" $?
-  PYTHONPATH=$ROOT timeout "$(time_left 540 60)" python3 perf/bench_kernels.py --quick --forms bgmv,grouped \
-    --tokens 16,64,256 --no-attention --rep-ms 5 --out "$W/kernels_new.jsonl" > "$W/kernels_new.txt" 2>&1
-  stamp "bench_kernels bgmv / grouped" $?
-  {
-    summary_head
-    echo "== decode step"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth|^-- |per step:" "$W/step.txt" | cut -c1-220
-    echo "== LoRA kernels: us (x floor) [vs bmm]"
-    python3 perf/kernel_table.py "new=$W/kernels_new.jsonl" --tokens 16 64 256
-  } > "$OUT/grouped.txt" 2>&1
   ;;
 race)
   # the segmented decode forms after the side-stream fix (b26b390): each of their compiled engine tests in its own

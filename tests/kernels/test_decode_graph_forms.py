@@ -1,10 +1,9 @@
 """The decode graphs' step (backend/cuda_graphs.py) run eagerly on the CPU: ``DecodeGraphs.run_eager`` is the forward
 a graph captures, over the same padded buffers and adapter tables, with no graph, under the Triton interpreter.
 
-It covers what the CPU never reaches otherwise: the graphs' buffer filling, for ``decode_lora_kernels`` "sgmv" and
+It covers what the CPU never reaches otherwise: the graphs' buffer filling, and for ``decode_lora_kernels`` "sgmv" and
 "hybrid" the grouping of tokens by adapter on the device at every step (``build_segments_on_device``), which only a
-graph-mode batch uses, and for "grouped" its kernels over a graph's padded slot table.
-A GPU runs the real graphs instead (test_engine_kernels.py).
+graph-mode batch uses. A GPU runs the real graphs instead (test_engine_kernels.py).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from model_factory import assert_generations_match_peft, assert_pool_drained, ma
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-@pytest.mark.parametrize("decode_lora", ["bgmv", "sgmv", "hybrid", "grouped"])
+@pytest.mark.parametrize("decode_lora", ["bgmv", "sgmv", "hybrid"])
 def test_decode_graph_step_matches_peft(tmp_path, device, decode_lora):
     """Requests of four adapters (ranks 1-16, some projections each) and base-only ones: their decode steps go through
     the graphs' padded buffers (bucket 8 for 5-7 sequences, 4 for 3), with the adapters' tables filled into 8 slots."""

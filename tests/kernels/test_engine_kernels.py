@@ -28,13 +28,13 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 @pytest.mark.parametrize("family, prefill_attention, fused, decode_lora", [
     ("llama", "sdpa", True, "bgmv"), ("qwen3", "sdpa", True, "bgmv"), ("llama", "paged", True, "bgmv"),
     ("mistral", "paged", True, "bgmv"), ("qwen3", "sdpa", False, "bgmv"), ("llama", "sdpa", True, "sgmv"),
-    ("llama", "paged", True, "hybrid"), ("llama", "sdpa", True, "grouped")])
+    ("llama", "paged", True, "hybrid")])
 def test_kernel_path_matches_peft(tmp_path, device, family, prefill_attention, fused, decode_lora):
     """Mixed adapters/ranks/base requests; prefill chunks through torch's attention or as rows of the
     paged kernel (Mistral: its sliding window sends tokens past the window back to torch); residual
     add + RMSNorm, silu(gate) * up and the q/k norm + RoPE + KV write fused or as torch ops; small (decode)
-    steps' LoRA one program per token (bgmv), grouped by adapter (sgmv), the first for the shrink and the
-    second for the expand (hybrid), or BGMV's grid with each slot's tokens computed by its first token (grouped)."""
+    steps' LoRA one program per token (bgmv), grouped by adapter (sgmv), or the first for the shrink and the
+    second for the expand (hybrid)."""
     extra = {"qwen3": {"head_dim": 24}, "mistral": {"sliding_window": 10}}.get(family, {})
     base = make_base(tmp_path / "base", family, seed=31, **extra)
     rng = random.Random(family)
@@ -172,8 +172,7 @@ def test_auto_base_gemm_matches_peft(tmp_path, device, monkeypatch):
 
 
 @pytest.mark.parametrize("decode_lora, gemm_blas, sm_carveout", [
-    ("bgmv", "cublaslt", 32), ("bgmv", "cublas", 0), ("sgmv", "cublaslt", 32), ("hybrid", "cublaslt", 32),
-    ("grouped", "cublaslt", 32)])
+    ("bgmv", "cublaslt", 32), ("bgmv", "cublas", 0), ("sgmv", "cublaslt", 32), ("hybrid", "cublaslt", 32)])
 def test_cuda_graph_replay_equals_eager(tmp_path, device, decode_lora, gemm_blas, sm_carveout):
     """Decode steps replayed from CUDA graphs give exactly the eager kernel path's tokens (GPU only); with "sgmv" and
     "hybrid" the graphs group the tokens by adapter on the device at every replay; with an SM carveout their base

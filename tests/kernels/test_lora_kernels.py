@@ -41,10 +41,8 @@ def expected_shrink(case: LoraCase) -> torch.Tensor:
 
 
 def segments_for(case: LoraCase, segmented: bool | str):
-    """No segments (BGMV, and "grouped": BGMV's grid grouped by slot), host-built ones (True), or tables built on the
-    device with fixed shapes ("device", what a CUDA-graph decode step captures)."""
-    if segmented == "grouped":
-        return None
+    """No segments (BGMV), host-built ones (True), or tables built on the device with fixed shapes ("device", what a
+    CUDA-graph decode step captures)."""
     if segmented == "device":
         return build_segments_on_device(case.token_slots, case.a_row_offsets.shape[1])
     return build_segments(case.token_slots) if segmented else None
@@ -59,9 +57,9 @@ def check_shrink(case: LoraCase, device: str, segmented: bool | str, config=None
     args = (case.x, case.pool, case.a_row_offsets, case.ranks, case.token_slots)
     if ns == 1:  # exercise the 2-D single-slice form too
         args = (case.x, case.pool, case.a_row_offsets[0], case.ranks[0], case.token_slots)
-        lora_shrink(*args, out[0], segments=segments, config=config, grouped=segmented == "grouped")
+        lora_shrink(*args, out[0], segments=segments, config=config)
     else:
-        lora_shrink(*args, out, segments=segments, config=config, grouped=segmented == "grouped")
+        lora_shrink(*args, out, segments=segments, config=config)
     out = out.cpu()
     assert not out.isnan().any(), "the whole output must be written"
     torch.testing.assert_close(out, expected, **TOL)
@@ -89,12 +87,12 @@ def check_expand(case: LoraCase, device: str, segmented: bool | str, config=None
     if ns == 1:
         lora_expand(
             y[0].to(device), case.pool, case.b_row_offsets[0], case.ranks[0], case.scalings[0],
-            case.token_slots, out, None, segments=segments, config=config, grouped=segmented == "grouped",
+            case.token_slots, out, None, segments=segments, config=config,
         )  # fmt: skip
     else:
         lora_expand(
             y.to(device), case.pool, case.b_row_offsets, case.ranks, case.scalings,
-            case.token_slots, out, case.slice_bounds, segments=segments, config=config, grouped=segmented == "grouped",
+            case.token_slots, out, case.slice_bounds, segments=segments, config=config,
         )  # fmt: skip
     out = out.cpu()
     torch.testing.assert_close(out, expected, **TOL)
@@ -102,7 +100,7 @@ def check_expand(case: LoraCase, device: str, segmented: bool | str, config=None
     assert torch.equal(out[inactive], base[inactive]), "rows of base-only tokens must stay untouched"
 
 
-def check_expand_overwrite(case: LoraCase, device: str, config=None, grouped: bool = False) -> None:
+def check_expand_overwrite(case: LoraCase, device: str, config=None) -> None:
     """The BGMV expand's overwrite form into an fp32 buffer of NaN: every element written, the LoRA term alone (the
     reference expanded into zeros), rows of base-only tokens exactly zero; and base + that term is the in-place
     expand's result (what the deferred expand's consumers rely on)."""
@@ -118,23 +116,23 @@ def check_expand_overwrite(case: LoraCase, device: str, config=None, grouped: bo
                     case.token_slots.cpu(), expected, case.slice_bounds)  # fmt: skip
     term = poisoned((num_tokens, width), device)
     args = (case.pool, case.b_row_offsets, case.ranks, case.scalings, case.token_slots)
-    lora_expand(y.to(device), *args, term, case.slice_bounds, config=config, overwrite=True, grouped=grouped)
+    lora_expand(y.to(device), *args, term, case.slice_bounds, config=config, overwrite=True)
     term = term.cpu()
     assert not term.isnan().any(), "the overwrite form must write every element of the slices"
     torch.testing.assert_close(term, expected, **TOL)
     assert (term[slots < 0] == 0).all(), "a base-only token's LoRA term must be zero"
     base = 10.0 * torch.randn(num_tokens, width, generator=case.gen)
     in_place = base.to(device, copy=True)
-    lora_expand(y.to(device), *args, in_place, case.slice_bounds, config=config, grouped=grouped)
+    lora_expand(y.to(device), *args, in_place, case.slice_bounds, config=config)
     torch.testing.assert_close(base + term, in_place.cpu(), rtol=1e-6, atol=1e-5)
 
 
 @pytest.mark.parametrize("dist", DISTS)
-@pytest.mark.parametrize("config", ["heuristic", "rows", "tile", "grouped"])
+@pytest.mark.parametrize("config", ["heuristic", "rows", "tile"])
 def test_expand_overwrite(device, dist, config):
-    cfg = {"heuristic": None, "rows": ROWS_CONFIG, "tile": TILE_CONFIG, "grouped": None}[config]
+    cfg = {"heuristic": None, "rows": ROWS_CONFIG, "tile": TILE_CONFIG}[config]
     case = make_case(seed_of("overwrite", dist, config), 19, 72, [40, 24, 16], dist, device, align=4)
-    check_expand_overwrite(case, device, cfg, grouped=config == "grouped")
+    check_expand_overwrite(case, device, cfg)
 
 
 @pytest.mark.parametrize("cols", ["aligned", "odd"])
@@ -170,7 +168,7 @@ def test_shrink_expand_grid(device, num_tokens, in_features, dist, num_slices):
     widths = [in_features + 8, 24, 40][:num_slices]  # q/k/v-like slices of different widths
     case = make_case(seed_of("grid", num_tokens, in_features, dist, num_slices), num_tokens, in_features,
                      widths, dist, device)  # fmt: skip
-    for segmented in (False, True, "device", "grouped"):
+    for segmented in (False, True, "device"):
         check_shrink(case, device, segmented)
         check_expand(case, device, segmented)
     # the heuristic gives these small launches the BGMV expand's tile body: the row-streaming body too
@@ -269,14 +267,9 @@ SMALL_BLOCKS = [
     # split-K: 72 = 2.25 K blocks of 32, in 3 splits (the last one short and masked)
     ({"BLOCK_R": 16, "BLOCK_K": 32, "SPLIT_K": 3}, {"BLOCK_R": 16, "BLOCK_N": 64}, False),
     ({"BLOCK_M": 16, "BLOCK_R": 16, "BLOCK_K": 16, "SPLIT_K": 3}, {"BLOCK_M": 16, "BLOCK_R": 16, "BLOCK_N": 32}, True),
-    # grouped BGMV: a slot's tokens in several 16-token blocks, two rank blocks / chunks (R_max = 32), with and
-    # without split-K (whole rows stored, or atomics into the zeroed output), several N blocks
-    ({"BLOCK_R": 16, "BLOCK_K": 32, "SPLIT_K": 1}, {"BLOCK_R": 16, "BLOCK_N": 16}, "grouped"),
-    ({"BLOCK_R": 16, "BLOCK_K": 32, "SPLIT_K": 3}, {"BLOCK_R": 16, "BLOCK_N": 32}, "grouped"),
 ]
 SMALL_BLOCK_CASES = [
-    (*blocks, dist) for i, blocks in enumerate(SMALL_BLOCKS) for dist in ("one", "some_none")
-    if i < 2 or dist != "one" or blocks[2] == "grouped"
+    (*blocks, dist) for i, blocks in enumerate(SMALL_BLOCKS) for dist in ("one", "some_none") if i < 2 or dist != "one"
 ]
 
 
@@ -377,21 +370,19 @@ def test_strided_views(device):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision(device, dtype):
     case = make_case(seed_of("half", str(dtype)), 17, 72, [40, 24], "some_none", device, dtype=dtype)
-    for segmented in (False, True, "grouped"):
+    for segmented in (False, True):
         if segmented and dtype == torch.bfloat16 and device == "cpu":
             continue  # triton's interpreter computes bf16 tl.dot wrongly (triton 3.9); checked on GPU only
-        segments = segments_for(case, segmented)
-        grouped = segmented == "grouped"
+        segments = build_segments(case.token_slots) if segmented else None
         shrink = poisoned((2, 17, 16), device)
-        lora_shrink(case.x, case.pool, case.a_row_offsets, case.ranks, case.token_slots, shrink, segments=segments,
-                    grouped=grouped)  # fmt: skip
+        lora_shrink(case.x, case.pool, case.a_row_offsets, case.ranks, case.token_slots, shrink, segments=segments)
         expected = expected_shrink(case)
         torch.testing.assert_close(shrink.cpu(), expected, rtol=1e-3, atol=1e-3)
 
         base = torch.randn(17, 64, generator=case.gen).to(dtype)
         out = base.to(device, copy=True)
         lora_expand(expected.to(device), case.pool, case.b_row_offsets, case.ranks, case.scalings, case.token_slots,
-                    out, case.slice_bounds, segments=segments, grouped=grouped)  # fmt: skip
+                    out, case.slice_bounds, segments=segments)  # fmt: skip
         ref = ref_lora_expand(
             expected,
             case.pool.cpu(),
