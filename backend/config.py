@@ -51,6 +51,10 @@ class EngineConfig:
             kernels running beside them, whose shrinks are then captured after their GEMMs
             (``backend/decode_gemms.py``); cuBLASLt only; 0: none (the GEMMs fill the GPU); None: 32 of every 132
             SMs (the H200's measured setting, scaled to the device), 0 with "cublas".
+        decode_gemm_group_carveouts: per projection group, the SMs its base GEMM leaves in place of
+            ``decode_gemm_sm_carveout`` in those steps: "qkv=64/gate_up=16" (groups qkv, o, gate_up, down); "": none;
+            None: with ``decode_gemm_sm_carveout`` None too and cuBLASLt, the H200's measured qkv=64/gate_up=16 of
+            its 132 SMs, in proportion on other GPUs (the q/k/v GEMM's LoRA kernels outlast it with 32 SMs).
         prefill_attention: "sdpa" (each prefill chunk through torch's fused attention over its
             gathered cache) or "paged" (prefill tokens join the decode rows in the paged-attention
             kernel: one launch per layer for the whole step, no gathers; keys are re-read per query
@@ -123,6 +127,7 @@ class EngineConfig:
     base_gemm: str = "torch"
     decode_gemm_blas: str = "cublaslt"
     decode_gemm_sm_carveout: int | None = None
+    decode_gemm_group_carveouts: str | None = None
     cuda_graphs: bool = True
     mixed_step_graphs: bool = True
     warmup: bool = True
@@ -153,10 +158,23 @@ class EngineConfig:
         if self.base_gemm not in BASE_GEMMS:
             raise ValueError(f"EngineConfig.base_gemm must be one of {BASE_GEMMS}, got {self.base_gemm!r}")
         check_decode_gemm_settings(self.decode_gemm_blas, self.decode_gemm_sm_carveout)
+        if self.decode_gemm_group_carveouts is not None:
+            self._check_group_carveouts()
         if not 0.0 <= self.host_cache_fraction <= 1.0:
             raise ValueError(f"EngineConfig.host_cache_fraction must be in [0, 1], got {self.host_cache_fraction}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError(f"EngineConfig.gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+
+    def _check_group_carveouts(self) -> None:
+        """Raise a ValueError naming ``decode_gemm_group_carveouts`` unless it parses and its counts are ones the
+        chosen cuBLAS interface honours."""
+        from backend.decode_gemms import parse_group_carveouts
+
+        spec = self.decode_gemm_group_carveouts
+        groups = parse_group_carveouts(spec, "EngineConfig.decode_gemm_group_carveouts")
+        if any(sms for _, sms in groups) and self.decode_gemm_blas != "cublaslt":
+            raise ValueError(f"EngineConfig.decode_gemm_group_carveouts={spec!r} needs decode_gemm_blas='cublaslt' "
+                             f"(the cuBLAS interface ignores an SM target), got {self.decode_gemm_blas!r}")
 
     @classmethod
     def from_strings(cls, values: dict[str, str], **overrides: object) -> EngineConfig:

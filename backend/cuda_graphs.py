@@ -76,6 +76,7 @@ def capture_forward(model: LlamaModel, kv: PagedKVCache, batch: StepBatch, lora:
     stream.wait_stream(torch.cuda.current_stream())
     model.graph_forward = True
     model.lora_gemm_first = gemms is not None and gemms.gemm_first
+    model.lora_group_carveouts = dict(gemms.group_carveouts) if gemms is not None else None
     try:
         with applied(gemms, model.device):
             with torch.cuda.stream(stream):
@@ -88,6 +89,7 @@ def capture_forward(model: LlamaModel, kv: PagedKVCache, batch: StepBatch, lora:
     finally:
         model.graph_forward = False
         model.lora_gemm_first = False
+        model.lora_group_carveouts = None
     return graph, logits
 
 
@@ -96,12 +98,15 @@ class DecodeGraphs:
 
     def __init__(self, model: LlamaModel, kv: PagedKVCache, scratch_page: int, max_batch: int, max_blocks: int,
                  max_loras: int, max_rank: int, decode_form: str = "bgmv", gemm_blas: str = "cublas",
-                 gemm_sm_carveout: int = 0) -> None:
+                 gemm_sm_carveout: int = 0, gemm_group_carveouts: tuple[tuple[str, int], ...] = ()) -> None:
         check_decode_gemm_settings(gemm_blas, gemm_sm_carveout, "DecodeGraphs")
+        for _, sms in gemm_group_carveouts:
+            check_decode_gemm_settings(gemm_blas, sms, "DecodeGraphs")
         self.model, self.kv = model, kv
         # the base GEMMs' cuBLAS interface, and the SMs they leave to the LoRA side stream in graphs with adapters
         # (backend/decode_gemms.py)
         self.gemm_blas, self.gemm_sm_carveout = gemm_blas, gemm_sm_carveout
+        self.gemm_group_carveouts = gemm_group_carveouts  # per projection group, in place of gemm_sm_carveout
         cfg, dev = model.cfg, model.device
         self.scratch_page = scratch_page
         self.decode_form = decode_form  # the LoRA kernels; with segments ("sgmv", "hybrid") built in the graph
@@ -143,7 +148,8 @@ class DecodeGraphs:
         log.info("captured decode graphs for batch sizes %s", self.buckets)
 
     def _capture(self, size: int, with_lora: bool) -> None:
-        gemms = DecodeGemmSettings.for_graph(self.gemm_blas, self.gemm_sm_carveout, with_lora)
+        gemms = DecodeGemmSettings.for_graph(self.gemm_blas, self.gemm_sm_carveout, with_lora,
+                                             self.gemm_group_carveouts)
         self._graphs[(size, with_lora)] = capture_forward(self.model, self.kv, self._batch(size),
                                                           self._lora(size) if with_lora else None, self._pool,
                                                           gemms)

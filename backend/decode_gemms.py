@@ -26,6 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
+# A projection group's name (DecodeGemmSettings.group_carveouts) by the first LoRA module of the group
+PROJECTION_GROUPS = {"q_proj": "qkv", "o_proj": "o", "gate_proj": "gate_up", "down_proj": "down"}
+
 
 @dataclass(frozen=True)
 class DecodeGemmSettings:
@@ -33,18 +36,60 @@ class DecodeGemmSettings:
 
     blas: str  # torch.backends.cuda.preferred_blas_library: "cublas" or "cublaslt"
     sm_carveout: int  # SMs the GEMMs leave free (0: none; cuBLASLt only)
+    # (projection group, SMs) in place of sm_carveout for that group's GEMM (PROJECTION_GROUPS' values)
+    group_carveouts: tuple[tuple[str, int], ...] = ()
 
     @property
     def gemm_first(self) -> bool:
         """Whether the side-stream shrink is captured after its GEMM (``LoraBatch.fork``): with a carveout, so
         that the GEMM's tiles take their SMs before the shrink's programs take the rest."""
-        return self.sm_carveout > 0
+        return self.sm_carveout > 0 or any(sms > 0 for _, sms in self.group_carveouts)
 
     @classmethod
-    def for_graph(cls, blas: str, sm_carveout: int, with_lora: bool) -> DecodeGemmSettings:
+    def for_graph(cls, blas: str, sm_carveout: int, with_lora: bool,
+                  group_carveouts: tuple[tuple[str, int], ...] = ()) -> DecodeGemmSettings:
         """A decode graph's settings: the carveout only where a LoRA side stream runs beside the GEMMs (a
         base-only step would just lose the SMs)."""
-        return cls(blas=blas, sm_carveout=sm_carveout if with_lora else 0)
+        if not with_lora:
+            return cls(blas=blas, sm_carveout=0)
+        return cls(blas=blas, sm_carveout=sm_carveout, group_carveouts=group_carveouts)
+
+
+def parse_group_carveouts(spec: str, what: str = "SM carveout") -> tuple[tuple[str, int], ...]:
+    """``"qkv=48/gate_up=16"`` (or ``""``): per projection group (qkv, o, gate_up, down) the SMs its base GEMM leaves
+    free in place of the graph's carveout. Raises a ValueError naming ``what`` and the spec."""
+    known = sorted(set(PROJECTION_GROUPS.values()))
+    pairs = []
+    for part in filter(None, spec.split("/")):
+        name, _, sms = part.partition("=")
+        if name not in known or not sms.isdigit():
+            raise ValueError(f"{what} {spec!r}: expected group=SMs entries joined by '/', e.g. qkv=48/gate_up=16, "
+                             f"with groups {', '.join(known)} and counts >= 0; got {part!r}")
+        pairs.append((name, int(sms)))
+    return tuple(pairs)
+
+
+def parse_carveout(spec: str) -> tuple[int, tuple[tuple[str, int], ...]]:
+    """``"32"`` or ``"32/qkv=48/gate_up=16"``: the SMs every base GEMM leaves free, then per projection group the
+    count that replaces it for that group's GEMM (``parse_group_carveouts``). Raises a ValueError naming the spec."""
+    default, _, groups = spec.partition("/")
+    if not default.isdigit():
+        raise ValueError(f"SM carveout {spec!r}: expected N or N/group=N/..., e.g. 32/qkv=48/gate_up=16")
+    return int(default), parse_group_carveouts(groups)
+
+
+@contextmanager
+def group_carveout(sms: int | None) -> Iterator[None]:
+    """Within: torch's SM carveout set to ``sms`` for the GEMMs launched (None: unchanged); restored after."""
+    if sms is None:
+        yield
+        return
+    before = torch._C._get_sm_carveout_experimental()
+    torch._C._set_sm_carveout_experimental(sms or None)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(before)
 
 
 # The carveout measured on the H200 (32 of its 132 SMs); EngineConfig.decode_gemm_sm_carveout None scales it to the
@@ -64,10 +109,46 @@ def sm_carveout_for(sm_carveout: int | None, blas: str, device_sms: int) -> int:
     return sm_carveout
 
 
+# The per projection group counts measured best on the H200 with the 32-SM carveout elsewhere (perf/results/
+# 2026-12-03-h200/15_groups/): the q/k/v GEMM, whose LoRA kernels outlast it, leaves 64 SMs; the gate/up GEMM, whose
+# LoRA fits beside it, 16. EngineConfig.decode_gemm_group_carveouts None scales them to the device's SM count
+MEASURED_GROUP_CARVEOUTS = (("qkv", 64), ("gate_up", 16))
+
+
+def group_carveouts_for(spec: str | None, sm_carveout: int | None, blas: str,
+                        device_sms: int) -> tuple[tuple[str, int], ...]:
+    """The (projection group, SMs) pairs a decode graph with adapters runs its GEMMs with in place of its carveout:
+    ``spec`` parsed (``parse_group_carveouts``), or for None, where the carveout is left to its default too,
+    MEASURED_GROUP_CARVEOUTS in proportion to the device's SMs (none through cuBLAS). Raises a ValueError naming
+    the setting when a count would leave the GEMMs no SM."""
+    if spec is None:
+        if sm_carveout is not None or blas != "cublaslt":
+            return ()
+        return tuple((group, device_sms * sms // MEASURED_SMS) for group, sms in MEASURED_GROUP_CARVEOUTS)
+    groups = parse_group_carveouts(spec, "EngineConfig.decode_gemm_group_carveouts")
+    for group, sms in groups:
+        if sms >= device_sms:
+            raise ValueError(f"EngineConfig.decode_gemm_group_carveouts {group}={sms} leaves none of the device's "
+                             f"{device_sms} SMs to the GEMMs")
+    return groups
+
+
+def carveout_spec(sm_carveout: int, group_carveouts: tuple[tuple[str, int], ...]) -> str:
+    """``parse_carveout``'s inverse: ``"32/qkv=64/gate_up=16"``."""
+    return "/".join([str(sm_carveout), *(f"{group}={sms}" for group, sms in group_carveouts)])
+
+
 def device_sm_carveout(sm_carveout: int | None, blas: str, device: str) -> int:
     """``sm_carveout_for`` on CUDA device ``device``'s SM count."""
     sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
     return sm_carveout_for(sm_carveout, blas, sms)
+
+
+def device_group_carveouts(spec: str | None, sm_carveout: int | None, blas: str,
+                           device: str) -> tuple[tuple[str, int], ...]:
+    """``group_carveouts_for`` on CUDA device ``device``'s SM count."""
+    sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
+    return group_carveouts_for(spec, sm_carveout, blas, sms)
 
 
 @contextmanager

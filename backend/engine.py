@@ -25,7 +25,7 @@ from backend.adapter_process_loader import SHM_DIR, choose_directory
 from backend.catalogue import AdapterCatalogue
 from backend.config import EngineConfig, ModelKernelOptions
 from backend.cuda_graphs import DecodeGraphs
-from backend.decode_gemms import device_sm_carveout
+from backend.decode_gemms import device_group_carveouts, device_sm_carveout
 from backend.detokenize import IncrementalDecoder, load_tokenizer
 from backend.devices import default_load_processes, resolve_device, resolve_kernels
 from backend.errors import ErrorCode, RequestError
@@ -195,14 +195,17 @@ class Engine:
 
     def _capture_graphs(self) -> None:
         t0 = time.perf_counter()
-        carveout = device_sm_carveout(self.config.decode_gemm_sm_carveout, self.config.decode_gemm_blas, self.device)
+        c = self.config
+        carveout = device_sm_carveout(c.decode_gemm_sm_carveout, c.decode_gemm_blas, self.device)
+        groups = device_group_carveouts(c.decode_gemm_group_carveouts, c.decode_gemm_sm_carveout, c.decode_gemm_blas,
+                                        self.device)
         scratch = self.pool.pages.allocate(ReservedPage("cuda-graph padding"), 1)[0]
         max_blocks = self.kv.pages_needed(self.max_len)
         self.graphs = DecodeGraphs(self.model, self.kv, scratch, self.config.max_num_seqs, max_blocks,
                                    self.config.max_loras, self.config.max_lora_rank,
                                    decode_form=self.config.decode_lora_kernels,
                                    gemm_blas=self.config.decode_gemm_blas,
-                                   gemm_sm_carveout=carveout)
+                                   gemm_sm_carveout=carveout, gemm_group_carveouts=groups)
         try:
             self.graphs.capture_all()
         except Exception:

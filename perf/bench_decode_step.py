@@ -29,7 +29,7 @@ from backend.adapter_packing import PackedAdapter, _layout
 from backend.adapter_pool import AdapterPool
 from backend.config import BASE_GEMMS, DECODE_BLAS, EngineConfig, check_decode_form_name
 from backend.cuda_graphs import DecodeGraphs, DecodeInputs
-from backend.decode_gemms import MEASURED_SMS, sm_carveout_for
+from backend.decode_gemms import MEASURED_SMS, carveout_spec, group_carveouts_for, parse_carveout, sm_carveout_for
 from backend.kv_cache import PagedKVCache
 from backend.model_config import PROJECTIONS, ModelConfig
 from backend.models.llama import AUTO_TRITON_MAX_ROWS, LlamaModel, weight_names
@@ -210,12 +210,16 @@ def main() -> None:
     ap.add_argument("--blas", default=ENGINE_DEFAULTS.decode_gemm_blas,
                     help="the cuBLAS interface of the captured step's base GEMMs (EngineConfig.decode_gemm_blas): "
                          "cublas or cublaslt; comma-separated: each in turn")
-    ap.add_argument("--sm-carveout", default=str(sm_carveout_for(ENGINE_DEFAULTS.decode_gemm_sm_carveout,
-                                                                 ENGINE_DEFAULTS.decode_gemm_blas, MEASURED_SMS)),
+    defaults = ENGINE_DEFAULTS
+    ap.add_argument("--sm-carveout", default=carveout_spec(
+        sm_carveout_for(defaults.decode_gemm_sm_carveout, defaults.decode_gemm_blas, MEASURED_SMS),
+        group_carveouts_for(defaults.decode_gemm_group_carveouts, defaults.decode_gemm_sm_carveout,
+                            defaults.decode_gemm_blas, MEASURED_SMS)),
                     help="SMs the base GEMMs of the steps with adapters leave to the LoRA side stream, each shrink "
-                         "then captured after its GEMM whatever --shrink-order says "
-                         "(EngineConfig.decode_gemm_sm_carveout; cuBLASLt only: combinations with cublas are "
-                         "skipped); comma-separated: each in turn")
+                         "then captured after its GEMM whatever --shrink-order says; N or N/group=N/... for per "
+                         "projection group counts (qkv, o, gate_up, down), e.g. 32/qkv=64/gate_up=16 "
+                         "(EngineConfig.decode_gemm_sm_carveout, decode_gemm_group_carveouts; cuBLASLt only: "
+                         "combinations with cublas are skipped); comma-separated: each in turn")
     ap.add_argument("--profile", action="store_true",
                     help="also print the step's kernels by GPU time (torch.profiler over 5 replays per adapter count)")
     ap.add_argument("--out", default=os.environ.get("OUT", "perf/results"))
@@ -267,10 +271,14 @@ def main() -> None:
     blases = args.blas.split(",")
     if not set(blases) <= set(DECODE_BLAS):
         ap.error(f"--blas takes {' and/or '.join(DECODE_BLAS)}, got {args.blas!r}")
-    carveouts = args.sm_carveout.split(",")
-    if not all(c.isdigit() for c in carveouts):
-        ap.error(f"--sm-carveout takes SM counts (0: none), got {args.sm_carveout!r}")
-    carveouts = [int(c) for c in carveouts]
+    try:
+        carveouts = [(spec, *parse_carveout(spec)) for spec in args.sm_carveout.split(",")]
+    except ValueError as e:
+        ap.error(f"--sm-carveout: {e}")
+
+    def carves(carveout: tuple) -> bool:
+        """Whether a (spec, SMs, group SMs) carveout leaves any GEMM's SMs to the side stream."""
+        return carveout[1] > 0 or any(sms > 0 for _, sms in carveout[2])
     attention_splits = args.attention_splits.split(",")
     if not all(a == "auto" or (a.isdigit() and int(a) >= 1) for a in attention_splits):
         ap.error(f"--attention-splits takes auto and/or positive counts, got {args.attention_splits!r}")
@@ -288,7 +296,7 @@ def main() -> None:
                 for rope_kv in rope_kvs for side in side_streams for defer in defers for order in orders
                 for gemm in base_gemms for splits in attention_splits for blas in blases for carveout in carveouts
                 # a carveout needs cuBLASLt and captures each shrink after its GEMM: one order of it
-                if not carveout or (blas == "cublaslt" and order == orders[-1])]
+                if not carves(carveout) or (blas == "cublaslt" and order == orders[-1])]
     captured = []  # every variant's graphs, captured first and kept: the rounds then time them in turn
     for form, rope_kv, side, defer, order, gemm, splits, blas, carveout in variants:
         paged_attention.SPLITS_OVERRIDE = None if splits == "auto" else int(splits)  # read at capture
@@ -298,8 +306,10 @@ def main() -> None:
         lora_batch.SHRINK_AFTER_GEMM = order == "after"
         model.base_gemm = gemm
         graphs = DecodeGraphs(model, kv, scratch, args.batch, blocks, max(max(counts), 1), args.rank,
-                              decode_form=form, gemm_blas=blas, gemm_sm_carveout=carveout)
-        order = "after" if carveout else order
+                              decode_form=form, gemm_blas=blas, gemm_sm_carveout=carveout[1],
+                              gemm_group_carveouts=carveout[2])
+        order = "after" if carves(carveout) else order
+        carveout = carveout[0]
         # base_gemm "auto" captures the shrink after its Triton GEMM whatever --shrink-order says, up to
         # AUTO_TRITON_MAX_ROWS tokens (LlamaModel._project)
         order = "after" if gemm == "auto" and args.batch <= AUTO_TRITON_MAX_ROWS else order

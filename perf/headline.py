@@ -64,6 +64,7 @@ class HeadlineConfig:
     base_gemm: str = "torch"  # EngineConfig.base_gemm
     decode_gemm_blas: str = "cublaslt"  # EngineConfig.decode_gemm_blas
     decode_gemm_sm_carveout: int | None = None  # EngineConfig.decode_gemm_sm_carveout (None: 32 on the H200)
+    decode_gemm_group_carveouts: str | None = None  # EngineConfig.decode_gemm_group_carveouts (None: measured)
     mixed_step_graphs: bool = True  # EngineConfig.mixed_step_graphs
     slo_s: float = SLO_TTFT_S
     seed: int = 0
@@ -182,6 +183,7 @@ def run(cfg: HeadlineConfig, out: Path) -> dict:
                 base_gemm=cfg.base_gemm,
                 decode_gemm_blas=cfg.decode_gemm_blas,
                 decode_gemm_sm_carveout=cfg.decode_gemm_sm_carveout,
+                decode_gemm_group_carveouts=cfg.decode_gemm_group_carveouts,
                 mixed_step_graphs=cfg.mixed_step_graphs,
                 max_model_len=cfg.input_range[1] + cfg.output_range[1] + 8,
             )
@@ -367,6 +369,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[HeadlineConfig, Path]:
     p.add_argument("--base-gemm", choices=list(BASE_GEMMS))
     p.add_argument("--decode-gemm-blas", choices=list(DECODE_BLAS))
     p.add_argument("--decode-gemm-sm-carveout", type=int)
+    p.add_argument("--decode-gemm-group-carveouts", help='per projection group SM carveouts, e.g. "qkv=64/gate_up=16"; '
+                   '"" for none')
     p.add_argument("--no-mixed-step-graphs", action="store_false", dest="mixed_step_graphs", default=None,
                    help="run prefill and mixed steps eagerly (EngineConfig.mixed_step_graphs=False)")
     p.add_argument("--slo", type=float, dest="slo_s")

@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from backend.config import EngineConfig
-from backend.decode_gemms import DecodeGemmSettings, applied, sm_carveout_for
+from backend.decode_gemms import (
+    DecodeGemmSettings,
+    applied,
+    carveout_spec,
+    group_carveouts_for,
+    parse_carveout,
+    sm_carveout_for,
+)
+from backend.models.llama import GATE_UP, QKV, LlamaModel
 
 
 @pytest.mark.parametrize("with_lora", [True, False])
@@ -69,3 +77,77 @@ def test_settings_hold_inside_the_context_and_are_restored():
         assert torch._C._get_sm_carveout_experimental() == 16
     assert torch.backends.cuda.preferred_blas_library() == blas
     assert torch._C._get_sm_carveout_experimental() == carveout
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("32", (32, ())), ("0", (0, ())), ("32/qkv=48/gate_up=16", (32, (("qkv", 48), ("gate_up", 16)))),
+    ("0/down=8", (0, (("down", 8),)))])  # fmt: skip
+def test_a_carveout_spec_gives_the_default_and_each_groups_count(spec, expected):
+    assert parse_carveout(spec) == expected
+
+
+@pytest.mark.parametrize("spec, bad", [("32/mlp=16", "'mlp=16'"), ("32/qkv=-1", "'qkv=-1'"), ("x", "'x'"),
+                                       ("32/qkv", "'qkv'")])
+def test_a_bad_carveout_spec_is_refused_by_its_part(spec, bad):
+    with pytest.raises(ValueError, match=bad):
+        parse_carveout(spec)
+
+
+def test_group_carveouts_come_from_the_engine_config_and_need_cublaslt():
+    config = EngineConfig.from_strings({"model_dir": "m", "decode_gemm_group_carveouts": "qkv=48/o=0"})
+    assert config.decode_gemm_group_carveouts == "qkv=48/o=0"
+    assert group_carveouts_for(config.decode_gemm_group_carveouts, None, "cublaslt", 132) == (("qkv", 48), ("o", 0))
+    unset = EngineConfig.from_strings({"model_dir": "m", "decode_gemm_group_carveouts": "none"})
+    assert unset.decode_gemm_group_carveouts is None
+    with pytest.raises(ValueError, match="decode_gemm_group_carveouts='qkv=48' needs decode_gemm_blas='cublaslt'"):
+        EngineConfig(model_dir="m", decode_gemm_blas="cublas", decode_gemm_sm_carveout=0,
+                     decode_gemm_group_carveouts="qkv=48")
+    with pytest.raises(ValueError, match="decode_gemm_group_carveouts 'gate=4'"):
+        EngineConfig(model_dir="m", decode_gemm_group_carveouts="gate=4")
+    with pytest.raises(ValueError, match="qkv=40 leaves none of the device's 40 SMs"):
+        group_carveouts_for("qkv=40", None, "cublaslt", 40)
+
+
+@pytest.mark.parametrize("spec, sm_carveout, blas, sms, expected", [
+    (None, None, "cublaslt", 132, (("qkv", 64), ("gate_up", 16))),
+    (None, None, "cublaslt", 66, (("qkv", 32), ("gate_up", 8))),
+    (None, None, "cublas", 132, ()),
+    (None, 32, "cublaslt", 132, ()),  # a carveout set by hand applies to every GEMM
+    ("", None, "cublaslt", 132, ()),
+    ("down=8", 0, "cublaslt", 132, (("down", 8),))])  # fmt: skip
+def test_the_default_group_carveouts_are_the_measured_ones_in_proportion(spec, sm_carveout, blas, sms, expected):
+    groups = group_carveouts_for(spec, sm_carveout, blas, sms)
+    assert groups == expected
+    assert parse_carveout(carveout_spec(8, groups)) == (8, groups)
+
+
+@pytest.mark.parametrize("default, groups, with_lora, gemm_first", [
+    (0, (("qkv", 48),), True, True), (0, (("qkv", 0),), True, False), (32, (("qkv", 48),), False, False)])
+def test_group_carveouts_apply_to_graphs_with_adapters_only(default, groups, with_lora, gemm_first):
+    settings = DecodeGemmSettings.for_graph("cublaslt", default, with_lora, groups)
+    assert settings.group_carveouts == (groups if with_lora else ())
+    assert settings.gemm_first == gemm_first
+
+
+def test_each_projection_groups_gemm_runs_under_its_own_carveout():
+    """LlamaModel._group_linear sets the group's count around its GEMM (the capture's count elsewhere) and restores
+    torch's setting after; torch reads it when the GEMM is launched, so recording it there is what cuBLASLt sees."""
+    seen = []
+
+    class Recorder:
+        def _linear(self, x, weight, bias):
+            seen.append(torch._C._get_sm_carveout_experimental())
+            return x
+
+    model = Recorder()
+    outside = torch._C._get_sm_carveout_experimental()
+    torch._C._set_sm_carveout_experimental(16)  # the capture's own count (``applied``)
+    try:
+        for carveouts in ({"qkv": 48, "gate_up": 0}, None):
+            model.lora_group_carveouts = carveouts
+            for modules in (QKV, ("o_proj",), GATE_UP, ("down_proj",)):
+                LlamaModel._group_linear(model, torch.zeros(1), torch.zeros(1), None, modules)
+        assert torch._C._get_sm_carveout_experimental() == 16
+    finally:
+        torch._C._set_sm_carveout_experimental(outside)
+    assert seen == [48, 16, None, 16] + [16] * 4

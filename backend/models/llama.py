@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from backend.decode_gemms import PROJECTION_GROUPS, group_carveout
 from backend.kv_cache import PagedKVCache
 from backend.loader import load_state_dict
 from backend.lora_batch import LoraBatch, LoraDelta
@@ -102,6 +103,9 @@ class LlamaModel:
     graph_forward: bool = False  # the forwards are a CUDA-graph capture or its warm-ups (backend/cuda_graphs.py)
     lora_capture: bool = False  # this forward is one of those, with a LoraBatch (set by forward)
     lora_gemm_first: bool = False  # a capture whose base GEMMs leave SMs to the LoRA side stream: shrinks after GEMMs
+    # in such a capture, the SMs a projection group's GEMM leaves in place of the capture's carveout (group name ->
+    # SMs; backend/decode_gemms.py PROJECTION_GROUPS)
+    lora_group_carveouts: dict[str, int] | None = None
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], max_len: int, device: str,
                  dtype: torch.dtype) -> None:
@@ -235,14 +239,22 @@ class LlamaModel:
         gemm_first = self.lora_gemm_first or (self.base_gemm == "auto" and self._triton_gemm(x.shape[0]))
         fork = lora.fork(x, gemm_first=gemm_first)
         # with a fork the GEMM's node comes first and the shrink's beside it (LoraBatch.fork); else the shrink first
-        out = self._linear(x, weight, bias) if fork is not None else None
+        out = self._group_linear(x, weight, bias, modules) if fork is not None else None
         pending = lora.shrink(x, i, modules, after=fork)
         term = lora.expand_deferred(pending, widths) if defer and lora.defers_expand(x, widths) else None
         if out is None:
-            out = self._linear(x, weight, bias)
+            out = self._group_linear(x, weight, bias, modules)
         if term is None:
             lora.expand(pending, out, widths)
         return out, term
+
+    def _group_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      modules: tuple[str, ...]) -> torch.Tensor:
+        """``_linear``, under the SM carveout of the projection group of ``modules`` where the capture sets one."""
+        if not self.lora_group_carveouts:
+            return self._linear(x, weight, bias)
+        with group_carveout(self.lora_group_carveouts.get(PROJECTION_GROUPS.get(modules[0], ""))):
+            return self._linear(x, weight, bias)
 
     def _triton_gemm(self, rows: int) -> bool:
         """Whether a base GEMM of ``rows`` tokens takes the split-K Triton kernel (``base_gemm``): "triton" up to

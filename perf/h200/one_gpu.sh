@@ -57,6 +57,10 @@
 #                                            # without carveout at n = 5, 100                               ~9.5 min
 #   bash perf/h200/one_gpu.sh carveout_tests $OUT  # every compiled engine test that captures graphs under the new
 #                                            # defaults; the default step against cuBLAS, profiled        ~7.5 min
+#   bash perf/h200/one_gpu.sh groups $OUT    # per projection group SM carveouts: compiled tests, decode step over
+#                                            # GROUP_SPECS in 3 rounds, the fastest against 32 profiled    ~7 min
+#   bash perf/h200/one_gpu.sh groups_ab $OUT # the group carveouts as the default: compiled tests, decode step over
+#                                            # GROUP_SPECS, headline at n = 5, 100 with them and without ~9.5 min
 #   bash perf/h200/one_gpu.sh sanitize $OUT  # compute-sanitizer memcheck over the compiled tests of the segmented
 #                                            # decode forms (kernels with device-built tables, no caching
 #                                            # allocator; the engine's graph replay and PEFT tests) and of
@@ -76,7 +80,7 @@
 #                                            # concurrency 16 and request rates PA_RATES                    ~8 min
 # DECODE_LORA (bgmv|sgmv) and PREFILL (sdpa|paged) pick the engine's kernels in the headline part.
 set -u
-PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, defer_ab, rounds, order, auto, auto_ab, timeline, carveout, carveout_ab, carveout_tests, race, race_ab, sanitize, splits, splits_ab, splits_long, headline, mixed, final, profile or server}
+PART=${1:?part: kernels, forms, expand, rows, rows_ab, step_kernels, fuse, fused, gemm, defer, defer_ab, rounds, order, auto, auto_ab, timeline, carveout, carveout_ab, carveout_tests, groups, groups_ab, race, race_ab, sanitize, splits, splits_ab, splits_long, headline, mixed, final, profile or server}
 OUT=${2:-/tmp/h200}
 ROOT=$PWD
 BASE=${BASE:-$ROOT/.baseline_s9}
@@ -517,6 +521,51 @@ carveout_ab)
   stamp "headline, cuBLAS, no carveout" $?
   rm -rf "$W/work"
   ab_summary headline_default headline_cublas > "$OUT/carveout_ab.txt" 2>&1
+  ;;
+groups)
+  # per projection group SM carveouts (EngineConfig.decode_gemm_group_carveouts): their compiled tests, the decode
+  # step over several group counts in interleaved rounds, then the fastest against the default, profiled
+  compiled_tests 150 tests/test_decode_gemms.py tests/kernels/test_engine_kernels.py -k "carveout or (replay_equals and bgmv)"
+  PYTHONPATH=$ROOT timeout 240 python3 -m perf.bench_decode_step --rounds 3 --out "$W/step" \
+    --sm-carveout "${GROUP_SPECS:-32,32/gate_up=16,32/gate_up=8,32/qkv=48/gate_up=16,32/qkv=64/gate_up=16,32/qkv=48}" \
+    > "$W/step.txt" 2>&1
+  stamp "decode step over group carveouts, 3 rounds" $?
+  BEST=$(python3 - "$W" <<'EOF2'
+import json, statistics, sys
+rows = json.load(open(f"{sys.argv[1]}/step/decode_step.json"))["rows"]
+mean = {}
+for r in rows:
+    if r["adapters"]:
+        mean.setdefault(r["sm_carveout"], []).append(r["step_ms"])
+print(min(mean, key=lambda k: statistics.mean(mean[k])))
+EOF2
+)
+  echo "fastest: $BEST" >> "$W/times.txt"
+  PYTHONPATH=$ROOT timeout "$(time_left 560 40)" python3 -m perf.bench_decode_step --adapters 8,64 --rounds 2 \
+    --sm-carveout "32,$BEST" --profile --out "$W/step_profile" > "$W/step_profile.txt" 2>&1
+  stamp "decode step 32 / $BEST, profiled" $?
+  {
+    summary_head
+    echo "== decode step"; grep -E "^ *[0-9]+ +[0-9.]+ |copy_bandwidth" "$W/step.txt" | cut -c1-200
+    echo "== profiled"; grep -E "^ *[0-9]+ +[0-9.]+ |^-- |per step:|waited|nvjet" "$W/step_profile.txt" | cut -c1-200
+  } > "$OUT/groups.txt" 2>&1
+  ;;
+groups_ab)
+  # the per projection group carveouts as the engine's default (qkv=64/gate_up=16 beside 32): compiled tests (graph
+  # replay equal to eager, the engine against PEFT, the settings), the decode step over GROUP_SPECS in 3 interleaved
+  # rounds, then the headline at n = 5, 100 with the default and with 32 SMs for every GEMM
+  compiled_tests 150 tests/test_decode_gemms.py tests/kernels/test_engine_kernels.py \
+    -k "decode_gemms or (replay_equals_eager and bgmv) or llama-sdpa-True-bgmv"
+  PYTHONPATH=$ROOT timeout 200 python3 -m perf.bench_decode_step --rounds 3 --out "$W/step" \
+    --sm-carveout "${GROUP_SPECS:-32,32/qkv=64,32/qkv=80,32/qkv=64/gate_up=16,32/qkv=64/gate_up=24,32/qkv=64/o=48/down=48}" \
+    > "$W/step.txt" 2>&1
+  stamp "decode step over group carveouts, 3 rounds" $?
+  headline headline_groups 110 --adapters 5 100
+  stamp "headline, group carveouts (the defaults)" $?
+  headline headline_32 "$(time_left 570 60)" --adapters 5 100 --decode-gemm-group-carveouts ""
+  stamp "headline, 32 SMs for every GEMM" $?
+  rm -rf "$W/work" "$W"/headline_*/*.jsonl
+  ab_summary headline_groups headline_32 > "$OUT/groups_ab.txt" 2>&1
   ;;
 carveout_tests)
   # after the decode graphs' defaults changed (cuBLASLt, 32 SMs left to the LoRA side stream): every compiled engine

@@ -171,12 +171,14 @@ def test_auto_base_gemm_matches_peft(tmp_path, device, monkeypatch):
         assert rows_seen and max(rows_seen) <= AUTO_TRITON_MAX_ROWS, rows_seen
 
 
-@pytest.mark.parametrize("decode_lora, gemm_blas, sm_carveout", [
-    ("bgmv", "cublaslt", 32), ("bgmv", "cublas", 0), ("sgmv", "cublaslt", 32), ("hybrid", "cublaslt", 32)])
-def test_cuda_graph_replay_equals_eager(tmp_path, device, decode_lora, gemm_blas, sm_carveout):
+@pytest.mark.parametrize("decode_lora, gemm_blas, sm_carveout, group_carveouts", [
+    ("bgmv", "cublaslt", 32, ""), ("bgmv", "cublas", 0, ""), ("sgmv", "cublaslt", 32, ""),
+    ("hybrid", "cublaslt", 32, ""), ("bgmv", "cublaslt", 32, "qkv=64/gate_up=8")])  # fmt: skip
+def test_cuda_graph_replay_equals_eager(tmp_path, device, decode_lora, gemm_blas, sm_carveout, group_carveouts):
     """Decode steps replayed from CUDA graphs give exactly the eager kernel path's tokens (GPU only); with "sgmv" and
     "hybrid" the graphs group the tokens by adapter on the device at every replay; with an SM carveout their base
-    GEMMs leave SMs to the LoRA kernels and each shrink is captured after its GEMM (backend/decode_gemms.py)."""
+    GEMMs leave SMs to the LoRA kernels and each shrink is captured after its GEMM (backend/decode_gemms.py), per
+    projection group where ``decode_gemm_group_carveouts`` says."""
     if device != "cuda":
         pytest.skip("CUDA graphs need a GPU (run with TRITON_INTERPRET=0)")
     base = make_base(tmp_path / "base", "llama", seed=33)
@@ -190,7 +192,8 @@ def test_cuda_graph_replay_equals_eager(tmp_path, device, decode_lora, gemm_blas
         engine = Engine(EngineConfig(model_dir=str(base), adapters=adapters, device=device, dtype="float32",
                                      kernels="triton", cuda_graphs=graphs, max_lora_rank=16, max_num_seqs=16,
                                      num_kv_pages=256, decode_lora_kernels=decode_lora,
-                                     decode_gemm_blas=gemm_blas, decode_gemm_sm_carveout=sm_carveout))
+                                     decode_gemm_blas=gemm_blas, decode_gemm_sm_carveout=sm_carveout,
+                                     decode_gemm_group_carveouts=group_carveouts))
         try:
             assert (engine.graphs is not None) is graphs
             reqs = [GenerationRequest(f"g{i}", p, a, SamplingParams(max_tokens=12)) for i, (p, a) in enumerate(cases)]
