@@ -16,6 +16,11 @@ shrink first) with these (cuBLASLt, 32 SMs, shrink after), 4 interleaved rounds,
 after) gave 0.97 / 0.98 / 0.97x; base-only 0.96x (cuBLASLt). An earlier run of 3 rounds gave 0.90 / 0.91 / 0.92x.
 The plain cuBLAS interface timed the same with and without a carveout. End to end (the headline at n = 5 / 100, one
 sample each) the two settings served the same: 17.26 / 16.96 against 17.24 / 17.05 req/s.
+
+Each projection group's GEMM may take its own count (``DecodeGemmSettings.group_carveouts``, set around that GEMM by
+``LlamaModel._group_linear`` within the capture): the q/k/v GEMM (17 us at batch 64) is shorter than its LoRA
+kernels on 32 SMs, so the RoPE + KV write waited for them; leaving it 64 halved that wait without slowing the GEMM,
+and the step took 0.968-0.980x of 32 for every GEMM at 8-64 adapters (perf/results/2026-12-03-h200/15_groups/).
 """
 
 from __future__ import annotations
