@@ -53,8 +53,8 @@ class EngineConfig:
             SMs (the H200's measured setting, scaled to the device), 0 with "cublas".
         decode_gemm_group_carveouts: per projection group, the SMs its base GEMM leaves in place of
             ``decode_gemm_sm_carveout`` in those steps: "qkv=64/gate_up=16" (groups qkv, o, gate_up, down); "": none;
-            None: with ``decode_gemm_sm_carveout`` None too and cuBLASLt, the H200's measured qkv=64/gate_up=16 of
-            its 132 SMs, in proportion on other GPUs (the q/k/v GEMM's LoRA kernels outlast it with 32 SMs).
+            None: with ``decode_gemm_sm_carveout`` None too and cuBLASLt, the H200's measured qkv=64 of its 132
+            SMs, in proportion on other GPUs (the q/k/v GEMM's LoRA kernels outlast it with 32 SMs).
         prefill_attention: "sdpa" (each prefill chunk through torch's fused attention over its
             gathered cache) or "paged" (prefill tokens join the decode rows in the paged-attention
             kernel: one launch per layer for the whole step, no gathers; keys are re-read per query

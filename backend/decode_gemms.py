@@ -19,8 +19,10 @@ sample each) the two settings served the same: 17.26 / 16.96 against 17.24 / 17.
 
 Each projection group's GEMM may take its own count (``DecodeGemmSettings.group_carveouts``, set around that GEMM by
 ``LlamaModel._group_linear`` within the capture): the q/k/v GEMM (17 us at batch 64) is shorter than its LoRA
-kernels on 32 SMs, so the RoPE + KV write waited for them; leaving it 64 halved that wait without slowing the GEMM,
-and the step took 0.968-0.980x of 32 for every GEMM at 8-64 adapters (perf/results/2026-12-03-h200/15_groups/).
+kernels on 32 SMs, so the RoPE + KV write waited for them; leaving it 64 (with gate/up at 16) halved that wait
+without slowing the GEMM (perf/results/2026-12-03-h200/15_groups/). The step with qkv=64 took 0.981 / 0.984 / 0.987x
+and 0.984 / 0.978 / 0.994x of 32 for every GEMM at 8 / 32 / 64 adapters in two calls (16_groups_ab/, 17_qkv/): a
+1-2% gain, near the spread between calls; the headline did not move (one sample each).
 """
 
 from __future__ import annotations
@@ -114,10 +116,11 @@ def sm_carveout_for(sm_carveout: int | None, blas: str, device_sms: int) -> int:
     return sm_carveout
 
 
-# The per projection group counts measured best on the H200 with the 32-SM carveout elsewhere (perf/results/
-# 2026-12-03-h200/15_groups/): the q/k/v GEMM, whose LoRA kernels outlast it, leaves 64 SMs; the gate/up GEMM, whose
-# LoRA fits beside it, 16. EngineConfig.decode_gemm_group_carveouts None scales them to the device's SM count
-MEASURED_GROUP_CARVEOUTS = (("qkv", 64), ("gate_up", 16))
+# The per projection group count measured on the H200 with the 32-SM carveout elsewhere (perf/results/2026-12-03-h200/
+# 15_groups/, 16_groups_ab/, 17_qkv/): the q/k/v GEMM, whose LoRA kernels outlast it, leaves 64 SMs (faster than 32
+# for every GEMM in all six ratios of two calls; adding gate_up=16 was as fast on average but slower in one call).
+# EngineConfig.decode_gemm_group_carveouts None scales it to the device's SM count
+MEASURED_GROUP_CARVEOUTS = (("qkv", 64),)
 
 
 def group_carveouts_for(spec: str | None, sm_carveout: int | None, blas: str,

@@ -109,8 +109,8 @@ def test_group_carveouts_come_from_the_engine_config_and_need_cublaslt():
 
 
 @pytest.mark.parametrize("spec, sm_carveout, blas, sms, expected", [
-    (None, None, "cublaslt", 132, (("qkv", 64), ("gate_up", 16))),
-    (None, None, "cublaslt", 66, (("qkv", 32), ("gate_up", 8))),
+    (None, None, "cublaslt", 132, (("qkv", 64),)),
+    (None, None, "cublaslt", 66, (("qkv", 32),)),
     (None, None, "cublas", 132, ()),
     (None, 32, "cublaslt", 132, ()),  # a carveout set by hand applies to every GEMM
     ("", None, "cublaslt", 132, ()),

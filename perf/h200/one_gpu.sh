@@ -551,7 +551,7 @@ EOF2
   } > "$OUT/groups.txt" 2>&1
   ;;
 groups_ab)
-  # the per projection group carveouts as the engine's default (qkv=64/gate_up=16 beside 32): compiled tests (graph
+  # the per projection group carveouts as the engine's default (then qkv=64/gate_up=16 beside 32): compiled tests (graph
   # replay equal to eager, the engine against PEFT, the settings), the decode step over GROUP_SPECS in 3 interleaved
   # rounds, then the headline at n = 5, 100 with the default and with 32 SMs for every GEMM
   compiled_tests 150 tests/test_decode_gemms.py tests/kernels/test_engine_kernels.py \
