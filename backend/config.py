@@ -52,9 +52,9 @@ class EngineConfig:
             (``backend/decode_gemms.py``); cuBLASLt only; 0: none (the GEMMs fill the GPU); None: 32 of every 132
             SMs (the H200's measured setting, scaled to the device), 0 with "cublas".
         decode_gemm_group_carveouts: per projection group, the SMs its base GEMM leaves in place of
-            ``decode_gemm_sm_carveout`` in those steps: "qkv=64/gate_up=16" (groups qkv, o, gate_up, down); "": none;
-            None: with ``decode_gemm_sm_carveout`` None too and cuBLASLt, the H200's measured qkv=64 of its 132
-            SMs, in proportion on other GPUs (the q/k/v GEMM's LoRA kernels outlast it with 32 SMs).
+            ``decode_gemm_sm_carveout`` in those steps: "qkv=64/gate_up=16" (groups qkv, o, gate_up, down); "": none.
+            qkv=64 halves the wait for the q/k/v LoRA kernels on the H200, but the step's gain was not established
+            (0.98-1.03x of 32 SMs for every GEMM over three calls), so it is opt-in.
         prefill_attention: "sdpa" (each prefill chunk through torch's fused attention over its
             gathered cache) or "paged" (prefill tokens join the decode rows in the paged-attention
             kernel: one launch per layer for the whole step, no gathers; keys are re-read per query
@@ -127,7 +127,7 @@ class EngineConfig:
     base_gemm: str = "torch"
     decode_gemm_blas: str = "cublaslt"
     decode_gemm_sm_carveout: int | None = None
-    decode_gemm_group_carveouts: str | None = None
+    decode_gemm_group_carveouts: str = ""
     cuda_graphs: bool = True
     mixed_step_graphs: bool = True
     warmup: bool = True
@@ -158,8 +158,7 @@ class EngineConfig:
         if self.base_gemm not in BASE_GEMMS:
             raise ValueError(f"EngineConfig.base_gemm must be one of {BASE_GEMMS}, got {self.base_gemm!r}")
         check_decode_gemm_settings(self.decode_gemm_blas, self.decode_gemm_sm_carveout)
-        if self.decode_gemm_group_carveouts is not None:
-            self._check_group_carveouts()
+        self._check_group_carveouts()
         if not 0.0 <= self.host_cache_fraction <= 1.0:
             raise ValueError(f"EngineConfig.host_cache_fraction must be in [0, 1], got {self.host_cache_fraction}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:

@@ -20,9 +20,10 @@ sample each) the two settings served the same: 17.26 / 16.96 against 17.24 / 17.
 Each projection group's GEMM may take its own count (``DecodeGemmSettings.group_carveouts``, set around that GEMM by
 ``LlamaModel._group_linear`` within the capture): the q/k/v GEMM (17 us at batch 64) is shorter than its LoRA
 kernels on 32 SMs, so the RoPE + KV write waited for them; leaving it 64 (with gate/up at 16) halved that wait
-without slowing the GEMM (perf/results/2026-12-03-h200/15_groups/). The step with qkv=64 took 0.981 / 0.984 / 0.987x
-and 0.984 / 0.978 / 0.994x of 32 for every GEMM at 8 / 32 / 64 adapters in two calls (16_groups_ab/, 17_qkv/): a
-1-2% gain, near the spread between calls; the headline did not move (one sample each).
+without slowing the GEMM (perf/results/2026-12-03-h200/15_groups/). The step with qkv=64 took 0.981 / 0.984 / 0.987x,
+0.984 / 0.978 / 0.994x and then 1.012 / 1.024 / 1.025x of 32 for every GEMM at 8 / 32 / 64 adapters in three calls
+(16_groups_ab/, 17_qkv/, 18_qkv_check/), within the spread of identical base-only graphs in one call (up to 3%); the
+headline did not move. Not established, so it is opt-in (EngineConfig.decode_gemm_group_carveouts, default none).
 """
 
 from __future__ import annotations
@@ -116,23 +117,10 @@ def sm_carveout_for(sm_carveout: int | None, blas: str, device_sms: int) -> int:
     return sm_carveout
 
 
-# The per projection group count measured on the H200 with the 32-SM carveout elsewhere (perf/results/2026-12-03-h200/
-# 15_groups/, 16_groups_ab/, 17_qkv/): the q/k/v GEMM, whose LoRA kernels outlast it, leaves 64 SMs (faster than 32
-# for every GEMM in all six ratios of two calls; adding gate_up=16 was as fast on average but slower in one call).
-# EngineConfig.decode_gemm_group_carveouts None scales it to the device's SM count
-MEASURED_GROUP_CARVEOUTS = (("qkv", 64),)
-
-
-def group_carveouts_for(spec: str | None, sm_carveout: int | None, blas: str,
-                        device_sms: int) -> tuple[tuple[str, int], ...]:
-    """The (projection group, SMs) pairs a decode graph with adapters runs its GEMMs with in place of its carveout:
-    ``spec`` parsed (``parse_group_carveouts``), or for None, where the carveout is left to its default too,
-    MEASURED_GROUP_CARVEOUTS in proportion to the device's SMs (none through cuBLAS). Raises a ValueError naming
-    the setting when a count would leave the GEMMs no SM."""
-    if spec is None:
-        if sm_carveout is not None or blas != "cublaslt":
-            return ()
-        return tuple((group, device_sms * sms // MEASURED_SMS) for group, sms in MEASURED_GROUP_CARVEOUTS)
+def group_carveouts_for(spec: str, device_sms: int) -> tuple[tuple[str, int], ...]:
+    """The (projection group, SMs) pairs a decode graph with adapters runs those groups' GEMMs with in place of its
+    carveout: ``spec`` parsed (``parse_group_carveouts``; "": none). Raises a ValueError naming the setting when a
+    count would leave the GEMMs no SM."""
     groups = parse_group_carveouts(spec, "EngineConfig.decode_gemm_group_carveouts")
     for group, sms in groups:
         if sms >= device_sms:
@@ -152,11 +140,10 @@ def device_sm_carveout(sm_carveout: int | None, blas: str, device: str) -> int:
     return sm_carveout_for(sm_carveout, blas, sms)
 
 
-def device_group_carveouts(spec: str | None, sm_carveout: int | None, blas: str,
-                           device: str) -> tuple[tuple[str, int], ...]:
+def device_group_carveouts(spec: str, device: str) -> tuple[tuple[str, int], ...]:
     """``group_carveouts_for`` on CUDA device ``device``'s SM count."""
     sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count
-    return group_carveouts_for(spec, sm_carveout, blas, sms)
+    return group_carveouts_for(spec, sms)
 
 
 @contextmanager

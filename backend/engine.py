@@ -197,8 +197,7 @@ class Engine:
         t0 = time.perf_counter()
         c = self.config
         carveout = device_sm_carveout(c.decode_gemm_sm_carveout, c.decode_gemm_blas, self.device)
-        groups = device_group_carveouts(c.decode_gemm_group_carveouts, c.decode_gemm_sm_carveout, c.decode_gemm_blas,
-                                        self.device)
+        groups = device_group_carveouts(c.decode_gemm_group_carveouts, self.device)
         scratch = self.pool.pages.allocate(ReservedPage("cuda-graph padding"), 1)[0]
         max_blocks = self.kv.pages_needed(self.max_len)
         self.graphs = DecodeGraphs(self.model, self.kv, scratch, self.config.max_num_seqs, max_blocks,

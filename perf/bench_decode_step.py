@@ -213,8 +213,7 @@ def main() -> None:
     defaults = ENGINE_DEFAULTS
     ap.add_argument("--sm-carveout", default=carveout_spec(
         sm_carveout_for(defaults.decode_gemm_sm_carveout, defaults.decode_gemm_blas, MEASURED_SMS),
-        group_carveouts_for(defaults.decode_gemm_group_carveouts, defaults.decode_gemm_sm_carveout,
-                            defaults.decode_gemm_blas, MEASURED_SMS)),
+        group_carveouts_for(defaults.decode_gemm_group_carveouts, MEASURED_SMS)),
                     help="SMs the base GEMMs of the steps with adapters leave to the LoRA side stream, each shrink "
                          "then captured after its GEMM whatever --shrink-order says; N or N/group=N/... for per "
                          "projection group counts (qkv, o, gate_up, down), e.g. 32/qkv=64/gate_up=16 "

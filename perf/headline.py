@@ -64,7 +64,7 @@ class HeadlineConfig:
     base_gemm: str = "torch"  # EngineConfig.base_gemm
     decode_gemm_blas: str = "cublaslt"  # EngineConfig.decode_gemm_blas
     decode_gemm_sm_carveout: int | None = None  # EngineConfig.decode_gemm_sm_carveout (None: 32 on the H200)
-    decode_gemm_group_carveouts: str | None = None  # EngineConfig.decode_gemm_group_carveouts (None: measured)
+    decode_gemm_group_carveouts: str = ""  # EngineConfig.decode_gemm_group_carveouts ("": none)
     mixed_step_graphs: bool = True  # EngineConfig.mixed_step_graphs
     slo_s: float = SLO_TTFT_S
     seed: int = 0
