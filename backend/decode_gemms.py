@@ -129,11 +129,6 @@ def group_carveouts_for(spec: str, device_sms: int) -> tuple[tuple[str, int], ..
     return groups
 
 
-def carveout_spec(sm_carveout: int, group_carveouts: tuple[tuple[str, int], ...]) -> str:
-    """``parse_carveout``'s inverse: ``"32/qkv=64/gate_up=16"``."""
-    return "/".join([str(sm_carveout), *(f"{group}={sms}" for group, sms in group_carveouts)])
-
-
 def device_sm_carveout(sm_carveout: int | None, blas: str, device: str) -> int:
     """``sm_carveout_for`` on CUDA device ``device``'s SM count."""
     sms = torch.cuda.get_device_properties(torch.device(device)).multi_processor_count

@@ -200,10 +200,8 @@ class Engine:
         groups = device_group_carveouts(c.decode_gemm_group_carveouts, self.device)
         scratch = self.pool.pages.allocate(ReservedPage("cuda-graph padding"), 1)[0]
         max_blocks = self.kv.pages_needed(self.max_len)
-        self.graphs = DecodeGraphs(self.model, self.kv, scratch, self.config.max_num_seqs, max_blocks,
-                                   self.config.max_loras, self.config.max_lora_rank,
-                                   decode_form=self.config.decode_lora_kernels,
-                                   gemm_blas=self.config.decode_gemm_blas,
+        self.graphs = DecodeGraphs(self.model, self.kv, scratch, c.max_num_seqs, max_blocks, c.max_loras,
+                                   c.max_lora_rank, decode_form=c.decode_lora_kernels, gemm_blas=c.decode_gemm_blas,
                                    gemm_sm_carveout=carveout, gemm_group_carveouts=groups)
         try:
             self.graphs.capture_all()

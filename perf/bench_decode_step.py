@@ -29,7 +29,7 @@ from backend.adapter_packing import PackedAdapter, _layout
 from backend.adapter_pool import AdapterPool
 from backend.config import BASE_GEMMS, DECODE_BLAS, EngineConfig, check_decode_form_name
 from backend.cuda_graphs import DecodeGraphs, DecodeInputs
-from backend.decode_gemms import MEASURED_SMS, carveout_spec, group_carveouts_for, parse_carveout, sm_carveout_for
+from backend.decode_gemms import MEASURED_SMS, parse_carveout, sm_carveout_for
 from backend.kv_cache import PagedKVCache
 from backend.model_config import PROJECTIONS, ModelConfig
 from backend.models.llama import AUTO_TRITON_MAX_ROWS, LlamaModel, weight_names
@@ -211,9 +211,9 @@ def main() -> None:
                     help="the cuBLAS interface of the captured step's base GEMMs (EngineConfig.decode_gemm_blas): "
                          "cublas or cublaslt; comma-separated: each in turn")
     defaults = ENGINE_DEFAULTS
-    ap.add_argument("--sm-carveout", default=carveout_spec(
-        sm_carveout_for(defaults.decode_gemm_sm_carveout, defaults.decode_gemm_blas, MEASURED_SMS),
-        group_carveouts_for(defaults.decode_gemm_group_carveouts, MEASURED_SMS)),
+    ap.add_argument("--sm-carveout", default="/".join(filter(None, [
+        str(sm_carveout_for(defaults.decode_gemm_sm_carveout, defaults.decode_gemm_blas, MEASURED_SMS)),
+        defaults.decode_gemm_group_carveouts])),
                     help="SMs the base GEMMs of the steps with adapters leave to the LoRA side stream, each shrink "
                          "then captured after its GEMM whatever --shrink-order says; N or N/group=N/... for per "
                          "projection group counts (qkv, o, gate_up, down), e.g. 32/qkv=64/gate_up=16 "

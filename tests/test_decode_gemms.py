@@ -9,7 +9,6 @@ from backend.config import EngineConfig
 from backend.decode_gemms import (
     DecodeGemmSettings,
     applied,
-    carveout_spec,
     group_carveouts_for,
     parse_carveout,
     sm_carveout_for,
@@ -105,11 +104,6 @@ def test_group_carveouts_come_from_the_engine_config_and_need_cublaslt():
         EngineConfig(model_dir="m", decode_gemm_group_carveouts="gate=4")
     with pytest.raises(ValueError, match="qkv=40 leaves none of the device's 40 SMs"):
         group_carveouts_for("qkv=40", 40)
-
-
-@pytest.mark.parametrize("groups", [(), (("qkv", 64),), (("down", 8), ("o", 0))])
-def test_a_carveout_spec_round_trips(groups):
-    assert parse_carveout(carveout_spec(8, groups)) == (8, groups)
 
 
 @pytest.mark.parametrize("default, groups, with_lora, gemm_first", [
