@@ -10,7 +10,16 @@
 set -e
 REPO=$(pwd)
 TORCH_SITE=$(python3 -c 'import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))')
-if [ ! -x /tmp/venv/bin/python ]; then
+READY=/tmp/venv/.manylora_ready  # written last: a venv an earlier failure left half made is made again
+if [ ! -f "$READY" ]; then
+  for f in .gpu/tritonserver.txz .gpu/numpy-1.26.4-cp312.txz; do
+    if [ ! -f "$f" ]; then
+      echo "env.sh: $f is missing: carry .gpu to this machine (README, 'Running on a GPU machine')" >&2
+      set +e
+      return 2 2>/dev/null || exit 2
+    fi
+  done
+  rm -rf /tmp/venv
   python3 -m venv /tmp/venv
   SITE=$(/tmp/venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   tar xJf .gpu/numpy-1.26.4-cp312.txz -C "$SITE"
@@ -19,6 +28,7 @@ if [ ! -x /tmp/venv/bin/python ]; then
   if ls .gpu/pa/*.whl >/dev/null 2>&1; then /tmp/venv/bin/python -m pip install -q --no-index --no-deps .gpu/pa/*.whl; fi
   echo "$REPO" > "$SITE/manylora.pth"
   echo "$TORCH_SITE" > "$SITE/zz_image_site.pth"
+  touch "$READY"
 fi
 export PATH=/tmp/venv/bin:$PATH
 export PYTHONPATH=$REPO

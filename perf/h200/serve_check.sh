@@ -21,7 +21,7 @@ for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         pass
 import json; print("checkpoint dtype:", json.load(open("/tmp/bf16/config.json")).get("dtype"))
 PY
-source perf/h200/env.sh
+source perf/h200/env.sh || exit 2
 python scripts/serve.py --base-model /tmp/bf16 --adapters /tmp/default/catalogue.json --param device=cuda \
   --http-port 8000 --grpc-port 8001 --metrics-port 8002 > "$OUT/server.log" 2>&1 &
 SERVER=$!

@@ -17,7 +17,7 @@ CKPT=${CKPT:-/tmp/ckpt_$SHAPE}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 source perf/h200/server_common.sh
-if [ "${USE_ENV_SH:-1}" = 1 ]; then source perf/h200/env.sh; SERVE_PY=python; else SERVE_PY=$PYTHON; fi
+if [ "${USE_ENV_SH:-1}" = 1 ]; then source perf/h200/env.sh || exit 2; SERVE_PY=python; else SERVE_PY=$PYTHON; fi
 start_server "$OUT/server.log" "$HTTP_PORT" ${EXTRA_PARAMS:-}
 wait_ready "$HTTP_PORT" 300
 echo "server ready after ${READY_S}s"

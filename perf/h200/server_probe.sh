@@ -21,7 +21,7 @@ WORK=${PROBE_WORK:-/tmp/server_probe}
 mkdir -p "$OUT" "$WORK"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 source perf/h200/server_common.sh
-if [ "${USE_ENV_SH:-1}" = 1 ]; then source perf/h200/env.sh; SERVE_PY=python; else SERVE_PY=$PYTHON; fi
+if [ "${USE_ENV_SH:-1}" = 1 ]; then source perf/h200/env.sh || exit 2; SERVE_PY=python; else SERVE_PY=$PYTHON; fi
 PYSPY=""
 if [ -f .gpu/tools/py-spy.xz ]; then xz -dc .gpu/tools/py-spy.xz > /tmp/py-spy && chmod +x /tmp/py-spy && PYSPY=/tmp/py-spy; fi
 "$PYTHON" -m perf.workload --adapters 100 --alpha 1 --rate 1 --cv 1 --duration 4 --input-range 16 64 \
