@@ -69,6 +69,17 @@ def _grid_barrier(bar_ptr, err_ptr, n_programs, BARRIER: tl.constexpr):
 
 
 @triton.jit
+def _proxy_fence(dummy_ptr, FENCE: tl.constexpr):
+    """Every thread: order the generic-proxy writes it has seen before this thread's later TMA (async-proxy) reads
+    of global memory (``fence.proxy.async.global``); nothing with FENCE False (the CPU interpreter)."""
+    if FENCE:
+        lane = tl.arange(0, 128)
+        done = tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r,r", [lane],
+                                         dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+        tl.store(dummy_ptr + lane, done, mask=lane < 0)  # never stores: keeps the asm
+
+
+@triton.jit
 def _item_coords(item, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr):
     """(first weight row, first K column, K columns) of work item ``item`` of a GEMM: (column tile, K split)."""
     KS: tl.constexpr = K // SPLIT
@@ -76,13 +87,14 @@ def _item_coords(item, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, SPLIT
 
 
 @triton.jit
-def _first_tile(w_desc, layer_row, pid, N: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                SPLIT: tl.constexpr, PRE: tl.constexpr):  # fmt: skip
+def _first_tile(w_desc, layer_row, pid, N: tl.constexpr, K: tl.constexpr, T: tl.constexpr, PRE: tl.constexpr):
     """With PRE, the weight tile [BN, BK] of this program's first iteration of a GEMM (a clamped item past the
-    last); else zeros, never read."""
+    last); else zeros, never read. T = (BN, BK, SPLIT)."""
+    BN: tl.constexpr = T[0]
+    BK: tl.constexpr = T[1]
     if PRE:
-        n_items: tl.constexpr = (N // BN) * SPLIT
-        n0, k0, _ = _item_coords(tl.minimum(pid, n_items - 1), N, K, BN, SPLIT)
+        n_items: tl.constexpr = (N // BN) * T[2]
+        n0, k0, _ = _item_coords(tl.minimum(pid, n_items - 1), N, K, BN, T[2])
         tile = w_desc.load([layer_row + n0, k0])
     else:
         tile = tl.zeros((BN, BK), w_desc.dtype)
@@ -90,104 +102,124 @@ def _first_tile(w_desc, layer_row, pid, N: tl.constexpr, K: tl.constexpr, BN: tl
 
 
 @triton.jit
-def _x_tile(x_ptr, stride_x, k, M: tl.constexpr, BK: tl.constexpr, UP_OFFSET: tl.constexpr, dtype: tl.constexpr):
-    """Activation tile [M, BK] at column k (silu(x[:, k]) * x[:, UP_OFFSET + k] with UP_OFFSET > 0), read past L1."""
-    offs = tl.arange(0, M)[:, None] * stride_x + k + tl.arange(0, BK)[None, :]
-    x = tl.load(x_ptr + offs, cache_modifier=".cg").to(tl.float32)
+def _x_tile(x_desc, k, UP_OFFSET: tl.constexpr, dtype: tl.constexpr):
+    """Activation tile [M, BK] at column k through TMA (silu(x[:, k]) * x[:, UP_OFFSET + k] with UP_OFFSET > 0)."""
+    x = x_desc.load([0, k]).to(tl.float32)
     if UP_OFFSET > 0:
-        up = tl.load(x_ptr + offs + UP_OFFSET, cache_modifier=".cg").to(tl.float32)
+        up = x_desc.load([0, UP_OFFSET + k]).to(tl.float32)
         x = x / (1.0 + tl.exp(-x)) * up
     return x.to(dtype)
 
 
 @triton.jit
-def _gemm_item(x_ptr, stride_x, w_desc, layer_row, out_ptr, item, w_pre, N: tl.constexpr, K: tl.constexpr,
-               M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, UP_OFFSET: tl.constexpr,
-               STAGES: tl.constexpr, USE_PRE: tl.constexpr):  # fmt: skip
+def _gemm_item(x_desc, w_desc, layer_row, out_ptr, item, w_pre, N: tl.constexpr, K: tl.constexpr, M: tl.constexpr,
+               T: tl.constexpr, UP_OFFSET: tl.constexpr, STAGES: tl.constexpr, USE_PRE: tl.constexpr):  # fmt: skip
     """out[:, tile] (+)= x[:, k range] @ w[tile, k range]^T for one work item; with USE_PRE the first weight tile
     is w_pre, loaded by the caller. SPLIT > 1: fp32 atomics into a zeroed out; else stored in out's dtype."""
-    n0, k0, ks = _item_coords(item, N, K, BN, SPLIT)
+    BN: tl.constexpr = T[0]
+    BK: tl.constexpr = T[1]
+    n0, k0, ks = _item_coords(item, N, K, BN, T[2])
     dtype = w_desc.dtype
     acc = tl.zeros((M, BN), dtype=tl.float32)
     k_first = k0
     if USE_PRE:
-        acc = tl.dot(_x_tile(x_ptr, stride_x, k0, M, BK, UP_OFFSET, dtype), w_pre.T, acc)
+        acc = tl.dot(_x_tile(x_desc, k0, UP_OFFSET, dtype), w_pre.T, acc)
         k_first = k0 + BK
     for k in tl.range(k_first, k0 + ks, BK, num_stages=STAGES):
         w = w_desc.load([layer_row + n0, k])
-        acc = tl.dot(_x_tile(x_ptr, stride_x, k, M, BK, UP_OFFSET, dtype), w.T, acc)
+        acc = tl.dot(_x_tile(x_desc, k, UP_OFFSET, dtype), w.T, acc)
     ptrs = out_ptr + tl.arange(0, M)[:, None] * N + n0 + tl.arange(0, BN)[None, :]
-    if SPLIT > 1:
+    if T[2] > 1:
         tl.atomic_add(ptrs, acc, sem="relaxed")
     else:
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty))
 
 
 @triton.jit
-def _gemm_stage(x_ptr, stride_x, w_desc, layer_row, out_ptr, pid, G, w_pre, N: tl.constexpr, K: tl.constexpr,
-                M: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, UP_OFFSET: tl.constexpr,
-                STAGES: tl.constexpr, PRE: tl.constexpr):  # fmt: skip
+def _gemm_stage(x_desc, w_desc, layer_row, out_ptr, pid, G, w_pre, N: tl.constexpr, K: tl.constexpr,
+                M: tl.constexpr, T: tl.constexpr, UP_OFFSET: tl.constexpr, STAGES: tl.constexpr,
+                PRE: tl.constexpr):  # fmt: skip
     """This program's share (items pid, pid + G, ...) of one GEMM; its first item uses w_pre when PRE."""
-    n_items: tl.constexpr = (N // BN) * SPLIT
+    n_items: tl.constexpr = (N // T[0]) * T[2]
     if pid < n_items:
-        _gemm_item(x_ptr, stride_x, w_desc, layer_row, out_ptr, pid, w_pre, N, K, M, BN, BK, SPLIT, UP_OFFSET,
-                   STAGES, PRE)  # fmt: skip
+        _gemm_item(x_desc, w_desc, layer_row, out_ptr, pid, w_pre, N, K, M, T, UP_OFFSET, STAGES, PRE)
     for item in range(pid + G, n_items, G):
-        _gemm_item(x_ptr, stride_x, w_desc, layer_row, out_ptr, item, w_pre, N, K, M, BN, BK, SPLIT, UP_OFFSET,
-                   STAGES, False)  # fmt: skip
+        _gemm_item(x_desc, w_desc, layer_row, out_ptr, item, w_pre, N, K, M, T, UP_OFFSET, STAGES, False)
 
 
 @triton.jit
-def _zero_share(ptr, numel, pid, G, ZB: tl.constexpr):
-    """This program's 1/G share of ``numel`` fp32 zeros at ptr."""
-    chunk = tl.cdiv(tl.cdiv(numel, G), ZB) * ZB
-    lo = pid * chunk
-    hi = tl.minimum(lo + chunk, numel)
-    for off in range(lo, hi, ZB):
-        offs = off + tl.arange(0, ZB)
-        tl.store(ptr + offs, tl.zeros((ZB,), tl.float32), mask=offs < hi)
+def _zero_share(ptr, numel, pid, G, SPLIT: tl.constexpr):
+    """With SPLIT > 1 (an fp32 output that the GEMM adds into), this program's 1/G share of ``numel`` zeros."""
+    if SPLIT > 1:
+        ZB: tl.constexpr = 1024
+        chunk = tl.cdiv(tl.cdiv(numel, G), ZB) * ZB
+        lo = pid * chunk
+        hi = tl.minimum(lo + chunk, numel)
+        for off in range(lo, hi, ZB):
+            offs = off + tl.arange(0, ZB)
+            tl.store(ptr + offs, tl.zeros((ZB,), tl.float32), mask=offs < hi)
 
 
 @triton.jit
-def _chain_kernel(wqkv_desc, wo_desc, wgu_desc, wd_desc, x32, q16, o32, gu16, bar_ptr, err_ptr, first_layer,
-                  n_layers, M: tl.constexpr, HID: tl.constexpr, QKV_N: tl.constexpr, INTER_N: tl.constexpr,
-                  T_QKV: tl.constexpr, T_O: tl.constexpr, T_GU: tl.constexpr, T_D: tl.constexpr,
-                  STAGES: tl.constexpr, BARRIER: tl.constexpr, PRE: tl.constexpr, ONLY: tl.constexpr):  # fmt: skip
+def _sync(bar_ptr, err_ptr, dummy_ptr, G, ONLY: tl.constexpr, BARRIER: tl.constexpr, FENCE: tl.constexpr):
+    """Between two GEMMs of the persistent chain: the grid barrier, then the proxy fence for the TMA reads of what
+    other programs wrote. Nothing when each GEMM is its own launch."""
+    if ONLY == -1:
+        _proxy_fence(dummy_ptr, FENCE)
+        _grid_barrier(bar_ptr, err_ptr, G, BARRIER)
+        _proxy_fence(dummy_ptr, FENCE)
+
+
+@triton.jit
+def _chain_kernel(wq_desc, wo_desc, wgu_desc, wd_desc, xd_desc, xq_desc, xo_desc, xgu_desc, d_ptr, q_ptr, o_ptr,
+                  gu_ptr, bar_ptr, err_ptr, dummy_ptr, first_layer, n_layers, M: tl.constexpr, HID: tl.constexpr,
+                  QKV_N: tl.constexpr, INTER_N: tl.constexpr, T_Q: tl.constexpr, T_O: tl.constexpr,
+                  T_GU: tl.constexpr, T_D: tl.constexpr, STAGES: tl.constexpr, BARRIER: tl.constexpr,
+                  PRE: tl.constexpr, ONLY: tl.constexpr, FENCE: tl.constexpr):  # fmt: skip
     """Layers [first_layer, first_layer + n_layers) of [qkv, o, gate/up, down] GEMMs at M rows.
 
-    x32 [M, HID] fp32: the input, and the output after; q16 [M, QKV_N] and gu16 [M, 2 INTER_N] bf16 scratch; o32
-    [M, HID] fp32 must be zero at launch and is zero after. T_*: (BN, BK, SPLIT) per GEMM. ONLY in 0..3 runs just
-    that GEMM (one launch per GEMM, no barriers; grid = its items); -1 runs the chain persistently.
+    Buffers d (the input, and the output after), q, o, gu, each read by the next GEMM through its descriptor x*_desc;
+    a GEMM with T[2] (its K split) > 1 adds fp32 partial sums into its zeroed buffer, else stores bf16. The buffer of
+    GEMM s is zeroed during GEMM s + 2 (after the barrier behind its reader), so o and q must be zero at launch
+    when split. T_* = (BN, BK, SPLIT). ONLY in 0..3 runs just that GEMM (one launch per GEMM, no barriers; grid =
+    its items); -1 runs the chain persistently.
     """
     pid = tl.program_id(0)
     G = tl.num_programs(0)
     for layer in range(first_layer, first_layer + n_layers):
         if (ONLY == -1) | (ONLY == 0):
-            w_pre = _first_tile(wqkv_desc, layer * QKV_N, pid, QKV_N, HID, T_QKV[0], T_QKV[1], T_QKV[2], PRE)
-            if ONLY == -1:
-                _grid_barrier(bar_ptr, err_ptr, G, BARRIER)  # the previous layer's down projection is in x32
-            _gemm_stage(x32, HID, wqkv_desc, layer * QKV_N, q16, pid, G, w_pre, QKV_N, HID, M, T_QKV[0], T_QKV[1],
-                        T_QKV[2], 0, STAGES, PRE)  # fmt: skip
+            w_pre = _first_tile(wq_desc, layer * QKV_N, pid, QKV_N, HID, T_Q, PRE)
+            _sync(bar_ptr, err_ptr, dummy_ptr, G, ONLY, BARRIER, FENCE)  # the previous layer's down is in d
+            _zero_share(gu_ptr, M * 2 * INTER_N, pid, G, T_GU[2])
+            _gemm_stage(xd_desc, wq_desc, layer * QKV_N, q_ptr, pid, G, w_pre, QKV_N, HID, M, T_Q, 0, STAGES, PRE)
         if (ONLY == -1) | (ONLY == 1):
-            w_pre = _first_tile(wo_desc, layer * HID, pid, HID, HID, T_O[0], T_O[1], T_O[2], PRE)
-            if ONLY == -1:
-                _grid_barrier(bar_ptr, err_ptr, G, BARRIER)
-            _zero_share(x32, M * HID, pid, G, 1024)  # read by the qkv GEMM, added into by the down GEMM
-            _gemm_stage(q16, QKV_N, wo_desc, layer * HID, o32, pid, G, w_pre, HID, HID, M, T_O[0], T_O[1], T_O[2],
-                        0, STAGES, PRE)  # fmt: skip
+            w_pre = _first_tile(wo_desc, layer * HID, pid, HID, HID, T_O, PRE)
+            _sync(bar_ptr, err_ptr, dummy_ptr, G, ONLY, BARRIER, FENCE)
+            _zero_share(d_ptr, M * HID, pid, G, T_D[2])
+            _gemm_stage(xq_desc, wo_desc, layer * HID, o_ptr, pid, G, w_pre, HID, HID, M, T_O, 0, STAGES, PRE)
         if (ONLY == -1) | (ONLY == 2):
-            w_pre = _first_tile(wgu_desc, layer * 2 * INTER_N, pid, 2 * INTER_N, HID, T_GU[0], T_GU[1], T_GU[2], PRE)
-            if ONLY == -1:
-                _grid_barrier(bar_ptr, err_ptr, G, BARRIER)
-            _gemm_stage(o32, HID, wgu_desc, layer * 2 * INTER_N, gu16, pid, G, w_pre, 2 * INTER_N, HID, M, T_GU[0],
-                        T_GU[1], T_GU[2], 0, STAGES, PRE)  # fmt: skip
+            w_pre = _first_tile(wgu_desc, layer * 2 * INTER_N, pid, 2 * INTER_N, HID, T_GU, PRE)
+            _sync(bar_ptr, err_ptr, dummy_ptr, G, ONLY, BARRIER, FENCE)
+            _zero_share(q_ptr, M * QKV_N, pid, G, T_Q[2])
+            _gemm_stage(xo_desc, wgu_desc, layer * 2 * INTER_N, gu_ptr, pid, G, w_pre, 2 * INTER_N, HID, M, T_GU, 0,
+                        STAGES, PRE)  # fmt: skip
         if (ONLY == -1) | (ONLY == 3):
-            w_pre = _first_tile(wd_desc, layer * HID, pid, HID, INTER_N, T_D[0], T_D[1], T_D[2], PRE)
-            if ONLY == -1:
-                _grid_barrier(bar_ptr, err_ptr, G, BARRIER)
-            _zero_share(o32, M * HID, pid, G, 1024)  # read by the gate/up GEMM, added into by the next o GEMM
-            _gemm_stage(gu16, 2 * INTER_N, wd_desc, layer * HID, x32, pid, G, w_pre, HID, INTER_N, M, T_D[0],
-                        T_D[1], T_D[2], INTER_N, STAGES, PRE)  # fmt: skip
+            w_pre = _first_tile(wd_desc, layer * HID, pid, HID, INTER_N, T_D, PRE)
+            _sync(bar_ptr, err_ptr, dummy_ptr, G, ONLY, BARRIER, FENCE)
+            _zero_share(o_ptr, M * HID, pid, G, T_O[2])
+            _gemm_stage(xgu_desc, wd_desc, layer * HID, d_ptr, pid, G, w_pre, HID, INTER_N, M, T_D, INTER_N, STAGES,
+                        PRE)  # fmt: skip
+
+
+TILE_SETS = {
+    # the TMA GEMM's fastest configs: o and down split K in two, adding fp32 partial sums
+    "split": STAGE_TILES,
+    # every GEMM stored in bf16 (no atomics, no zeroing): o and down in 32-column tiles to keep 128 programs
+    "bf16": {"qkv": (64, 128, 1), "o": (32, 128, 1), "gate_up": (256, 64, 1), "down": (32, 128, 1)},
+    # every GEMM stored in bf16 in the TMA GEMM's tiles: o and down on 64 programs
+    "bf16_64": {"qkv": (64, 128, 1), "o": (64, 128, 1), "gate_up": (256, 64, 1), "down": (64, 128, 1)},
+}
+GEMMS = ("qkv", "o", "gate_up", "down")
 
 
 class Chain:
@@ -203,51 +235,65 @@ class Chain:
         self.dims = (hidden, qkv, inter, rows)
         self.layers = layers
         self.tiles = tiles or STAGE_TILES
+        t = self.tiles
         self.wqkv, self.wo = w(qkv, hidden), w(hidden, hidden)
         self.wgu, self.wd = w(2 * inter, hidden), w(hidden, inter)
-        t = self.tiles
-
-        def desc(weights: torch.Tensor, name: str) -> TensorDescriptor:
-            flat = weights.reshape(-1, weights.shape[-1])
-            return TensorDescriptor.from_tensor(flat, [t[name][0], t[name][1]])
-
-        self.descs = (desc(self.wqkv, "qkv"), desc(self.wo, "o"), desc(self.wgu, "gate_up"), desc(self.wd, "down"))
         self.x0 = torch.randn(rows, hidden, device=device, generator=g)
-        self.x32 = self.x0.clone()
-        self.q16 = torch.zeros(rows, qkv, device=device, dtype=dtype)
-        self.o32 = torch.zeros(rows, hidden, device=device)
-        self.gu16 = torch.zeros(rows, 2 * inter, device=device, dtype=dtype)
+        widths = {"qkv": qkv, "o": hidden, "gate_up": 2 * inter, "down": hidden}
+        # each GEMM's output: fp32 (zeroed) when it splits K, else the weights' dtype
+        self.bufs = {n: torch.zeros(rows, widths[n], device=device, dtype=torch.float32 if t[n][2] > 1 else dtype)
+                     for n in GEMMS}  # fmt: skip
+        self.widths = widths
+
+        def desc(x: torch.Tensor, block: list[int]) -> TensorDescriptor:
+            return TensorDescriptor.from_tensor(x.reshape(-1, x.shape[-1]), block)
+
+        weights = (self.wqkv, self.wo, self.wgu, self.wd)
+        self.w_descs = [desc(wt, [t[n][0], t[n][1]]) for wt, n in zip(weights, GEMMS, strict=True)]
+        # the input of each GEMM is the previous one's buffer (qkv's: down's, the previous layer's output)
+        self.x_descs = [desc(self.bufs[GEMMS[i - 1]], [rows, t[GEMMS[i]][1]]) for i in range(4)]
         self.bar = torch.zeros(2, dtype=torch.int32, device=device)
         self.err = torch.zeros(1, dtype=torch.int32, device=device)
+        self.dummy = torch.zeros(128, dtype=torch.int32, device=device)
+        self.fence = device != "cpu"
+        self.compiled: dict[str, dict] = {}
         # cuBLASLt path: bf16 activations like the engine's
         self.x_bf16 = self.x0.to(dtype)
         self.q = torch.empty(rows, qkv, device=device, dtype=dtype)
         self.o = torch.empty(rows, hidden, device=device, dtype=dtype)
         self.gu = torch.empty(rows, 2 * inter, device=device, dtype=dtype)
 
+    @property
+    def out(self) -> torch.Tensor:
+        return self.bufs["down"]
+
     def _launch(self, grid: int, first: int, count: int, stages: int, barrier: bool, pre: bool, only: int) -> None:
         hidden, qkv, inter, rows = self.dims
         t = self.tiles
-        _chain_kernel[(grid,)](
-            *self.descs, self.x32, self.q16, self.o32, self.gu16, self.bar, self.err, first, count, M=rows,
-            HID=hidden, QKV_N=qkv, INTER_N=inter, T_QKV=t["qkv"], T_O=t["o"], T_GU=t["gate_up"], T_D=t["down"],
-            STAGES=stages, BARRIER=barrier, PRE=pre, ONLY=only, num_warps=4,
+        b = self.bufs
+        kernel = _chain_kernel[(grid,)](
+            *self.w_descs, *self.x_descs, b["down"], b["qkv"], b["o"], b["gate_up"], self.bar, self.err, self.dummy,
+            first, count, M=rows, HID=hidden, QKV_N=qkv, INTER_N=inter, T_Q=t["qkv"], T_O=t["o"],
+            T_GU=t["gate_up"], T_D=t["down"], STAGES=stages, BARRIER=barrier, PRE=pre, ONLY=only, FENCE=self.fence,
+            num_warps=4,
         )  # fmt: skip
+        key = f"only={only} stages={stages} pre={pre} barrier={barrier}"
+        if key not in self.compiled and hasattr(kernel, "n_regs"):
+            self.compiled[key] = {"regs": kernel.n_regs, "spills": kernel.n_spills,
+                                  "shared": getattr(kernel.metadata, "shared", None)}  # fmt: skip
 
     def persistent(self, programs: int, stages: int = 4, barrier: bool = True, pre: bool = True) -> None:
-        """Every layer in one launch of ``programs`` programs (x32 reset to the input first)."""
-        self.x32.copy_(self.x0)
+        """Every layer in one launch of ``programs`` programs (the input copied in first)."""
+        self.out.copy_(self.x0)
         self._launch(programs, 0, self.layers, stages, barrier, pre, -1)
 
     def launches(self, stages: int = 4) -> None:
-        """The same stages, one launch per GEMM with one program per work item (x32 reset to the input first)."""
-        hidden, qkv, inter, _ = self.dims
-        widths = {"qkv": qkv, "o": hidden, "gate_up": 2 * inter, "down": hidden}
-        self.x32.copy_(self.x0)
+        """The same GEMMs, one launch each with one program per work item (the input copied in first)."""
+        self.out.copy_(self.x0)
         for layer in range(self.layers):
-            for only, name in enumerate(("qkv", "o", "gate_up", "down")):
+            for only, name in enumerate(GEMMS):
                 bn, _, split = self.tiles[name]
-                self._launch(widths[name] // bn * split, layer, 1, stages, False, False, only)
+                self._launch(self.widths[name] // bn * split, layer, 1, stages, False, False, only)
 
     def cublaslt(self) -> None:
         from kernels.silu_mul import silu_mul
@@ -267,32 +313,35 @@ class Chain:
         dt = self.wqkv.dtype
         x = self.x0
         for layer in range(self.layers):
-            q = (x.to(dt).float() @ self.wqkv[layer].float().t()).to(dt)
-            o = q[:, :hidden].float() @ self.wo[layer].float().t()
-            gu = (o.to(dt).float() @ self.wgu[layer].float().t()).to(dt).float()
+            q = x.to(dt).float() @ self.wqkv[layer].float().t()
+            o = q[:, :hidden].to(dt).float() @ self.wo[layer].float().t()
+            gu = (o.to(dt).float() @ self.wgu[layer].float().t()).to(self.bufs["gate_up"].dtype).float()
             h = F.silu(gu[:, :inter]) * gu[:, inter:]
             x = h.to(dt).float() @ self.wd[layer].float().t()
         return x
 
 
 def check(chain: Chain, run) -> float:
-    """Relative error of one run against the reference; o32 must be zero after it and no barrier timed out."""
-    chain.x32.fill_(float("nan"))
-    chain.q16.fill_(float("nan"))
-    chain.gu16.fill_(float("nan"))
+    """Relative error of one run against the reference; the buffers that are stored are poisoned first, the fp32
+    ones of o and q (zeroed by later GEMMs) must be zero after, and no barrier may have timed out."""
+    for name, buf in chain.bufs.items():
+        if chain.tiles[name][2] == 1:
+            buf.fill_(float("nan"))
     run()
     if chain.x0.is_cuda:
         torch.cuda.synchronize()
     ref = chain.reference()
     assert int(chain.err.item()) == 0, "a grid barrier timed out"
-    assert not chain.o32.any(), "o32 not zero after the launch"
-    return ((chain.x32 - ref).norm() / ref.norm()).item()
+    for name in ("qkv", "o"):
+        assert chain.tiles[name][2] == 1 or not chain.bufs[name].any(), f"{name} buffer not zero after the launch"
+    return ((chain.out.float() - ref).norm() / ref.norm()).item()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--variants", default="cublaslt,launches,persistent,persistent+pre,nobarrier")
+    ap.add_argument("--variants", default="launches,persistent,persistent+pre,nobarrier")
+    ap.add_argument("--tile-sets", default=",".join(TILE_SETS))
     ap.add_argument("--stages", default="4,3", help="software-pipelining depths to try")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10)
@@ -300,37 +349,43 @@ def main() -> None:
     args = ap.parse_args()
     torch.backends.cuda.preferred_blas_library("cublaslt")
     programs = torch.cuda.get_device_properties(0).multi_processor_count
-    chain = Chain(args.layers, "cuda")
-    small = Chain(2, "cuda")
-    floor_bytes = sum(t.numel() * 2 for t in (chain.wqkv, chain.wo, chain.wgu, chain.wd))
+    chains = {ts: Chain(args.layers, "cuda", tiles=TILE_SETS[ts]) for ts in args.tile_sets.split(",")}
+    smalls = {ts: Chain(2, "cuda", tiles=TILE_SETS[ts]) for ts in chains}
+    any_chain = next(iter(chains.values()))
+    floor_bytes = sum(t.numel() * 2 for t in (any_chain.wqkv, any_chain.wo, any_chain.wgu, any_chain.wd))
     graphs, checks = {}, []
-    for variant in args.variants.split(","):
-        for stages in [None] if variant == "cublaslt" else [int(s) for s in args.stages.split(",")]:
-            name = variant if stages is None else f"{variant}@{stages}"
+    plan = [("cublaslt", None, None)] + [(v, ts, int(st)) for ts in chains for v in args.variants.split(",")
+                                         for st in args.stages.split(",")]  # fmt: skip
+    for variant, ts, stages in plan:
+        name = variant if ts is None else f"{variant}[{ts}]@{stages}"
 
-            def body(c: Chain, variant=variant, stages=stages) -> None:
-                if variant == "cublaslt":
-                    c.cublaslt()
-                elif variant == "launches":
-                    c.launches(stages)
-                else:
-                    c.persistent(programs, stages, barrier=variant != "nobarrier", pre=variant != "persistent")
+        def body(c: Chain, variant: str = variant, stages: int | None = stages) -> None:
+            if variant == "cublaslt":
+                c.cublaslt()
+            elif variant == "launches":
+                c.launches(stages)
+            else:
+                c.persistent(programs, stages, barrier=variant != "nobarrier", pre=variant != "persistent")
 
-            try:
-                if variant not in ("cublaslt", "nobarrier"):
-                    errs = [round(check(small, lambda: body(small)), 5) for _ in range(2)]
-                    checks.append({"variant": name, "rel_err": errs})
-                    print("check", checks[-1], flush=True)
-                    assert max(errs) < 2e-2, checks[-1]
+        chain = any_chain if ts is None else chains[ts]
+        try:
+            if variant not in ("cublaslt", "nobarrier"):
+                small = smalls[ts]
+                errs = [round(check(small, lambda small=small: body(small)), 5) for _ in range(2)]
+                checks.append({"variant": name, "rel_err": errs})
+                print("check", checks[-1], flush=True)
+                assert max(errs) < 2e-2, checks[-1]
+            body(chain)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
                 body(chain)
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    body(chain)
-                graphs[name] = g
-            except Exception as exc:  # noqa: BLE001 - a variant that does not compile or fit is reported, not fatal
-                print(f"{name}: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
-                checks.append({"variant": name, "error": f"{type(exc).__name__}: {str(exc)[:400]}"})
+            graphs[name] = g
+        except Exception as exc:  # noqa: BLE001 - a variant that does not compile or fit is reported, not fatal
+            msg = f"{type(exc).__name__}: {str(exc)[-700:]}"
+            print(f"{name}: {msg}", flush=True)
+            checks.append({"variant": name, "error": msg})
+    small = next(iter(smalls.values()))
     ref = small.reference()
     small.cublaslt()
     checks.append({"variant": "cublaslt (bf16 activations)", "rel_err": round(
@@ -357,22 +412,25 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, g in graphs.items():
             times.setdefault(name, []).append(time_ms(g.replay) * 1e3 / args.layers)
-    assert int(chain.err.item()) == 0, "a grid barrier timed out during the timing"
+    for chain in chains.values():
+        assert int(chain.err.item()) == 0, "a grid barrier timed out during the timing"
     base = statistics.median(times["cublaslt"]) if "cublaslt" in times else None
     rows = []
+    compiled = {ts: c.compiled for ts, c in chains.items()}
+    print("compiled:", json.dumps(compiled))
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; weights' floor {floor_us:.1f} us a layer")
-    print(f"{'variant':>20} {'us/layer':>9} {'x floor':>8} {'vs cublaslt':>11}")
+    print(f"{'variant':>28} {'us/layer':>9} {'x floor':>8} {'vs cublaslt':>11}")
     for name, ts in times.items():
         med = statistics.median(ts)
         rows.append({"variant": name, "us_per_layer": round(med, 2), "rounds": [round(t, 2) for t in ts],
                      "x_floor": round(med / floor_us, 3),
                      "vs_cublaslt": round(med / base, 3) if base else None})  # fmt: skip
-        print(f"{name:>20} {med:>9.2f} {med / floor_us:>8.3f} {(med / base if base else float('nan')):>11.3f}")
+        print(f"{name:>28} {med:>9.2f} {med / floor_us:>8.3f} {(med / base if base else float('nan')):>11.3f}")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "persistent_tma.json").write_text(json.dumps(
-        {"gpu": torch.cuda.get_device_name(), "args": vars(args), "tiles": STAGE_TILES,
+        {"gpu": torch.cuda.get_device_name(), "args": vars(args), "tiles": {ts: TILE_SETS[ts] for ts in chains},
          "copy_tb_s": round(bandwidth / 1e12, 3), "floor_us_per_layer": round(floor_us, 2), "checks": checks,
-         "rows": rows}, indent=1))  # fmt: skip
+         "compiled": compiled, "rows": rows}, indent=1))  # fmt: skip
 
 
 if __name__ == "__main__":
