@@ -3,11 +3,16 @@
 The catalogue file has the shape of vLLM's ``--lora-modules`` / the vLLM Triton backend's
 ``multi_lora.json``: a JSON object ``{"name": "/path/to/peft/adapter", ...}``. A value may also be
 ``{"path": "...", "sha256": "<hex>"}`` to pin the exact weights file; a mismatch refuses the adapter.
+
+Registered leniently (``register_all(strict=False)``, the engine's default), a bad entry is refused alone: the
+catalogue remembers it with the reason (:class:`RefusedAdapter`), and requests naming it get NOT_FOUND saying why,
+until the name is registered successfully.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import threading
@@ -19,6 +24,8 @@ from pathlib import Path
 from backend.adapter import AdapterSpec, parse_adapter_spec
 from backend.errors import AdapterError, ErrorCode, RequestError
 from backend.model_config import ModelConfig
+
+log = logging.getLogger("manylora.catalogue")
 
 MAX_NAME_LENGTH = 128
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]+")
@@ -42,6 +49,26 @@ class CatalogueEntry:
 
     path: str
     sha256: str | None = None
+
+
+@dataclass(frozen=True)
+class RefusedAdapter:
+    """A catalogue entry that ``register_all(strict=False)`` refused.
+
+    Attributes:
+        name: the adapter's name in the catalogue.
+        path: its directory as the catalogue gives it; None if the entry itself was malformed.
+        reason: why it was refused, the directory written as ``<adapter dir>``: tenants read it (in listings and
+            in their requests' errors), and only the operator may choose to show them server paths.
+    """
+
+    name: str
+    path: str | None
+    reason: str
+
+
+def _without_path(reason: str, path: str | None) -> str:
+    return reason.replace(path, "<adapter dir>") if path else reason
 
 
 def validate_adapter_name(name: object) -> str:
@@ -144,6 +171,7 @@ class AdapterCatalogue:
         self.model_config = model_config
         self.max_lora_rank = max_lora_rank
         self._specs: dict[str, AdapterSpec] = {}
+        self._refused: dict[str, RefusedAdapter] = {}
         self._lock = threading.Lock()
 
     def _parse(self, name: str, path: str | Path, pinned_sha256: str | None) -> AdapterSpec:
@@ -160,11 +188,12 @@ class AdapterCatalogue:
         return spec
 
     def _add(self, spec: AdapterSpec) -> None:
-        """Insert under the lock; a name is registered once."""
+        """Insert under the lock; a name is registered once (and no longer counts as refused)."""
         existing = self._specs.get(spec.name)
         if existing is not None:
             raise AdapterError(spec.name, f"already registered (from {existing.path})")
         self._specs[spec.name] = spec
+        self._refused.pop(spec.name, None)
 
     def register(self, name: str, path: str | Path, pinned_sha256: str | None = None) -> AdapterSpec:
         """Validate and add one adapter; raises :class:`AdapterError` (name + reason) when refused."""
@@ -179,6 +208,7 @@ class AdapterCatalogue:
         spec = self._parse(name, path, pinned_sha256)
         with self._lock:
             self._specs[name] = spec
+            self._refused.pop(name, None)
         return spec
 
     def unregister(self, name: str) -> AdapterSpec:
@@ -200,19 +230,22 @@ class AdapterCatalogue:
 
         Adapters are validated on ``workers`` threads (hashing releases the GIL). With ``strict``
         the first bad adapter in ``mapping`` order raises its :class:`AdapterError` and none of
-        the batch is registered; otherwise bad adapters are skipped and returned as name -> error.
+        the batch is registered; otherwise bad adapters are skipped, each logged as a warning and
+        remembered as refused (:meth:`refused`), and returned as name -> error.
         """
         items = list(mapping.items())
-        results: list[AdapterSpec | AdapterError] = []
+        results: list[tuple[str | None, AdapterSpec | AdapterError]] = []  # (adapter directory, outcome)
 
-        def one(item: tuple[str, object]) -> AdapterSpec | AdapterError:
+        def one(item: tuple[str, object]) -> tuple[str | None, AdapterSpec | AdapterError]:
             name, value = item
+            path = None
             try:
                 validate_adapter_name(name)
                 entry = _entry_from_value(name, value, None)
-                return self._parse(name, entry.path, entry.sha256)
+                path = entry.path
+                return path, self._parse(name, entry.path, entry.sha256)
             except AdapterError as e:
-                return e
+                return path, e
 
         if workers > 1 and len(items) > 1:
             with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="adapter-register") as pool:
@@ -223,14 +256,17 @@ class AdapterCatalogue:
         errors: dict[str, AdapterError] = {}
         with self._lock:
             if strict:
-                for (name, _), res in zip(items, results, strict=True):
+                for (name, _), (_, res) in zip(items, results, strict=True):
                     if isinstance(res, AdapterError):
                         raise res
                     if name in self._specs:
                         raise AdapterError(name, f"already registered (from {self._specs[name].path})")
-            for (name, _), res in zip(items, results, strict=True):
+            for (name, _), (path, res) in zip(items, results, strict=True):
                 if isinstance(res, AdapterError):
                     errors[name] = res
+                    log.warning("adapter '%s' (%s) refused; the other adapters are served: %s", name, path, res.reason)
+                    if name not in self._specs:  # a registered version goes on serving
+                        self._refused[name] = RefusedAdapter(name, path, _without_path(res.reason, path))
                     continue
                 try:
                     self._add(res)
@@ -247,13 +283,17 @@ class AdapterCatalogue:
         return spec
 
     def resolve(self, name: str) -> AdapterSpec:
-        """The spec of a registered adapter, or RequestError(NOT_FOUND) listing (some) registered names."""
+        """The spec of a registered adapter, or RequestError(NOT_FOUND): why, for a refused adapter, or else
+        listing (some) registered names."""
         with self._lock:
             spec = self._specs.get(name)
             if spec is None:
                 known = sorted(self._specs)
+                refused = self._refused.get(name)
         if spec is not None:
             return spec
+        if refused is not None:
+            raise RequestError(ErrorCode.NOT_FOUND, f"adapter '{name}' was refused at startup: {refused.reason}")
         if not known:
             raise RequestError(ErrorCode.NOT_FOUND, f"unknown adapter '{name}'; no adapters are registered")
         listed = ", ".join(known[:_LIST_AT_MOST])
@@ -270,6 +310,11 @@ class AdapterCatalogue:
         """Registered specs, sorted by name."""
         with self._lock:
             return [self._specs[n] for n in sorted(self._specs)]
+
+    def refused(self) -> list[RefusedAdapter]:
+        """The entries register_all refused whose names have not been registered since, sorted by name."""
+        with self._lock:
+            return [self._refused[n] for n in sorted(self._refused)]
 
     def __len__(self) -> int:
         with self._lock:

@@ -102,6 +102,13 @@ class EngineConfig:
             Llama-family bases only; no CUDA graphs or warm-up yet when > 1.
         resolvers: where to look for adapters a request names but the catalogue lacks,
             comma-separated: dir:PATH, hf-cache:PATH, plugin:MODULE:FACTORY[:ARG]; "" = off.
+        strict_adapters: a catalogue adapter that cannot be served (a pickle-only ``adapter_model.bin``, a missing
+            directory, a rank above max_lora_rank, a pinned sha256 that does not match, ...) fails the engine's
+            start with its error. Off: it is refused alone (a warning naming it, its path and the reason; listed
+            with ``"status": "refused"`` and the reason; counted in ``stats()["adapters_refused"]``; requests
+            naming it get NOT_FOUND with the reason) and every other adapter is served.
+        list_adapter_paths: adapter listings and load / unload replies include each adapter's directory on the
+            server (``"path"``); off: they leave it out, since any tenant may list adapters.
     """
 
     model_dir: str
@@ -141,6 +148,8 @@ class EngineConfig:
     rehash_adapters: bool = False
     admit_every_steps: int = 1
     tensor_parallel_size: int = 1
+    strict_adapters: bool = False
+    list_adapter_paths: bool = False
 
     def __post_init__(self) -> None:
         positive = ("max_lora_rank", "max_loras", "max_num_seqs", "max_num_batched_tokens", "page_size",

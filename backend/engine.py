@@ -39,12 +39,12 @@ from backend.observer import EngineObserver, NullObserver
 from backend.request import EmitFn, GenerationOutput, GenerationRequest
 from backend.request_checks import check_request
 from backend.resolvers import load_resolvers
-from backend.sampling import make_generator, sample_next
-from backend.scheduler import Scheduler
-from backend.sequence import Sequence
+from backend.sampling import is_greedy, make_generator, sample_next
+from backend.scheduler import ScheduledChunk, Scheduler
+from backend.sequence import Sequence, Status
 from backend.sizing import adapter_pages, gpu_pool_pages, host_cache_bytes
 from backend.state_lock import LoopStateLock
-from backend.step_builder import StepBuilder
+from backend.step_builder import StepBuilder, StepLists
 from backend.step_graphs import MixedStepGraphs
 from backend.tensor_parallel import local_config
 from backend.tp_runtime import (
@@ -61,7 +61,9 @@ log = logging.getLogger("manylora.engine")
 
 CPU_POOL_BYTES_CAP = 2 << 30  # without a GPU, the pool takes at most this much host memory
 PREFETCH_LOOKAHEAD = 64  # waiting requests whose adapters are loaded ahead
-CANCEL_POLL_S = 0.05  # how often cancellation flags are read
+# how often cancellation flags are read and heartbeats sent; each read of a Triton response sender's flag is a round
+# trip to the server process, so not every step
+CANCEL_POLL_S = 0.2
 
 
 def eos_token_ids(model_dir: str, cfg: ModelConfig) -> frozenset[int]:
@@ -94,9 +96,9 @@ class Engine:
         self.tokenizer = load_tokenizer(config.model_dir)
         self.eos_ids = eos_token_ids(config.model_dir, cfg)
         self.catalogue = AdapterCatalogue(cfg, config.max_lora_rank)
-        self.catalogue.register_all(config.adapters, strict=True)
+        self.catalogue.register_all(config.adapters, strict=config.strict_adapters)
         self.directory = AdapterDirectory(self.catalogue, load_resolvers(config.resolvers),
-                                          config.allow_runtime_adapters)
+                                          config.allow_runtime_adapters, config.list_adapter_paths)
         # adapter loader processes and the host tier's byte limit, resolved once for every rank
         self.load_processes = (config.adapter_load_processes if config.adapter_load_processes is not None
                                else default_load_processes(self.device))
@@ -105,45 +107,50 @@ class Engine:
                                                  directory if directory == SHM_DIR else None)
         t0 = time.perf_counter()
         self.tp: TensorParallelGroup | None = None
-        # the shapes this process's pool and model shard have: the whole model, or tensor-parallel rank 0's part
-        self.pool_config = cfg
-        if config.tensor_parallel_size > 1:
-            self.model = self._start_tensor_parallel()
-        else:
-            model_class = MoeModel if cfg.is_moe else LlamaModel
-            self.model = model_class.load(config.model_dir, cfg, self.max_len, self.device, self.dtype)
-            ModelKernelOptions.of(config, self.use_kernels).apply_to(self.model)
-        log.info("loaded %s (%.1f MB%s) on %s as %s in %.1fs", cfg.architecture, self.model.weight_bytes() / 1e6,
-                 " on rank 0" if self.tp else "", self.device, self.dtype, time.perf_counter() - t0)
-        self.pool = UnifiedPool(self.pool_config, self._num_pages(), config.page_size, self.dtype, self.device)
-        self.kv = PagedKVCache(self.pool)
-        on_load = lambda name, seconds: self.observer.adapter_loaded(name, seconds)  # noqa: E731
-        if self.tp is not None:
-            self.tp.start(self.pool.num_pages)
-            host = rank_host_cache(self.tp.setup, cfg, 0, self.pool.page_elems, on_load=on_load)
-        else:
-            host = HostAdapterCache(cfg, self.dtype, self.pool.page_elems, config.max_lora_rank,
-                                    config.max_cpu_loras, pin_memory=False, workers=config.adapter_load_workers,
-                                    on_load=on_load, rehash=config.rehash_adapters,
-                                    processes=self.load_processes, max_bytes=self.host_cache_bytes)
-        self.adapters = AdapterManager(self.catalogue, self.pool, host, self.device, mirror=self.tp)
-        self._log_pool()
-        self.scheduler = Scheduler(self.kv, self.adapters, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_loras, config.admit_every_steps, config.async_adapter_uploads)
-        self.steps = StepBuilder(cfg, self.kv, self.adapters, self.device, self.use_kernels,
-                                 paged_prefill=config.prefill_attention == "paged",
-                                 decode_form=config.decode_lora_kernels)
-        # MoE: decode graphs (the fused expert kernels have static shapes), eager warm-up not written yet; tensor
-        # parallelism: neither yet (every rank would have to capture and warm up in step)
-        dense = not cfg.is_moe and self.tp is None
-        if config.warmup and self.use_kernels and self.device.startswith("cuda") and dense:
-            warm_up(self.model, self.kv, config.max_lora_rank, config.max_num_batched_tokens, config.max_num_seqs,
-                    max_len=self.max_len, paged_prefill=config.prefill_attention == "paged",
-                    decode_form=config.decode_lora_kernels)
-        self.graphs: DecodeGraphs | None = None
-        self.mixed_graphs: MixedStepGraphs | None = None
-        if config.cuda_graphs and self.use_kernels and self.device.startswith("cuda") and self.tp is None:
-            self._capture_graphs()
+        host: HostAdapterCache | None = None
+        try:  # a failure from here on first stops what was started (loaders, ranks): the process must exit cleanly
+            # the shapes this process's pool and model shard have: the whole model, or tensor-parallel rank 0's part
+            self.pool_config = cfg
+            if config.tensor_parallel_size > 1:
+                self.model = self._start_tensor_parallel()
+            else:
+                model_class = MoeModel if cfg.is_moe else LlamaModel
+                self.model = model_class.load(config.model_dir, cfg, self.max_len, self.device, self.dtype)
+                ModelKernelOptions.of(config, self.use_kernels).apply_to(self.model)
+            log.info("loaded %s (%.1f MB%s) on %s as %s in %.1fs", cfg.architecture, self.model.weight_bytes() / 1e6,
+                     " on rank 0" if self.tp else "", self.device, self.dtype, time.perf_counter() - t0)
+            self.pool = UnifiedPool(self.pool_config, self._num_pages(), config.page_size, self.dtype, self.device)
+            self.kv = PagedKVCache(self.pool)
+            on_load = lambda name, seconds: self.observer.adapter_loaded(name, seconds)  # noqa: E731
+            if self.tp is not None:
+                self.tp.start(self.pool.num_pages)
+                host = rank_host_cache(self.tp.setup, cfg, 0, self.pool.page_elems, on_load=on_load)
+            else:
+                host = HostAdapterCache(cfg, self.dtype, self.pool.page_elems, config.max_lora_rank,
+                                        config.max_cpu_loras, pin_memory=False, workers=config.adapter_load_workers,
+                                        on_load=on_load, rehash=config.rehash_adapters,
+                                        processes=self.load_processes, max_bytes=self.host_cache_bytes)
+            self.adapters = AdapterManager(self.catalogue, self.pool, host, self.device, mirror=self.tp)
+            self._log_pool()
+            self.scheduler = Scheduler(self.kv, self.adapters, config.max_num_seqs, config.max_num_batched_tokens,
+                                       config.max_loras, config.admit_every_steps, config.async_adapter_uploads)
+            self.steps = StepBuilder(cfg, self.kv, self.adapters, self.device, self.use_kernels,
+                                     paged_prefill=config.prefill_attention == "paged",
+                                     decode_form=config.decode_lora_kernels)
+            # MoE: decode graphs (the fused expert kernels have static shapes), eager warm-up not written yet; tensor
+            # parallelism: neither yet (every rank would have to capture and warm up in step)
+            dense = not cfg.is_moe and self.tp is None
+            if config.warmup and self.use_kernels and self.device.startswith("cuda") and dense:
+                warm_up(self.model, self.kv, config.max_lora_rank, config.max_num_batched_tokens, config.max_num_seqs,
+                        max_len=self.max_len, paged_prefill=config.prefill_attention == "paged",
+                        decode_form=config.decode_lora_kernels)
+            self.graphs: DecodeGraphs | None = None
+            self.mixed_graphs: MixedStepGraphs | None = None
+            if config.cuda_graphs and self.use_kernels and self.device.startswith("cuda") and self.tp is None:
+                self._capture_graphs()
+        except BaseException:
+            self._stop_partial_start(host)
+            raise
         # on a GPU the forward is launched and then awaited, and loaders use the wait; on the CPU the
         # forward is the computation itself, and shutting loaders out of it would stall loading
         self._gate_loaders = self.device.startswith("cuda")
@@ -153,9 +160,25 @@ class Engine:
         self._last_cancel_poll = 0.0
         self._stopping = threading.Event()
         self._counters = {"steps": 0, "requests": 0, "finished": 0, "errors": 0, "tokens_out": 0, "tokens_in": 0}
+        self._refused = 0  # requests refused before they were queued (submit, or the caller's own parsing)
+        self._refused_lock = threading.Lock()
+        self._cancels: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()  # (request id, why) from cancel()
         self._thread = threading.Thread(target=self._loop, name="manylora-engine", daemon=True)
         if start:
             self._thread.start()
+
+    def _stop_partial_start(self, host: HostAdapterCache | None) -> None:
+        """After ``__init__`` failed part-way: shut down what it had started (the host tier's loader threads and
+        processes, the GPU tier's copier, the tensor-parallel ranks). A failure here is logged; the constructor's
+        own exception is the one raised."""
+        adapters = getattr(self, "adapters", None)
+        stops = [host.shutdown if host is not None else None, adapters.gpu.shutdown if adapters is not None else None,
+                 self.tp.shutdown if self.tp is not None else None]
+        for stop in (s for s in stops if s is not None):
+            try:
+                stop()
+            except Exception:  # noqa: BLE001 - the start's own error is the one to report
+                log.exception("engine start failed, and %s failed too", stop.__qualname__)
 
     def _start_tensor_parallel(self) -> TensorParallelModel:
         """Spawn ranks 1.. and load rank 0's shard; the model the engine then calls drives them all."""
@@ -281,7 +304,7 @@ class Engine:
         try:
             spec = self.validate(request)
         except RequestError as e:
-            self.observer.request_failed(request.adapter or None, e.code.value)
+            self.count_refusal(request.adapter, e.code)
             raise
         seed = request.sampling.seed if request.sampling.seed is not None else random.getrandbits(63)
         decoder = IncrementalDecoder(self.tokenizer, track_text=bool(request.sampling.stop))
@@ -290,6 +313,19 @@ class Engine:
         self._counters["requests"] += 1
         self.observer.request_arrived(seq.adapter)
         self._inbox.put(seq)
+        self._wake.set()
+
+    def count_refusal(self, adapter: str | None, code: ErrorCode) -> None:
+        """Count a request refused before it reached the engine (the caller could not even parse it), so that
+        ``stats()["errors"]`` and the observer's error count are one count. Thread-safe."""
+        with self._refused_lock:
+            self._refused += 1
+        self.observer.request_failed(adapter or None, code.value)
+
+    def cancel(self, request_id: str, why: str = "cancelled by the client") -> None:
+        """Stop a queued or running request (from any thread): it ends with a CANCELLED error before the next
+        step; an id that is not (or no longer) in the engine is ignored."""
+        self._cancels.put((request_id, why))
         self._wake.set()
 
     # ---------------------------------------------------------------- queries
@@ -304,11 +340,13 @@ class Engine:
     def _stats(self) -> dict:
         return {
             **self._counters,
+            "errors": self._counters["errors"] + self._refused,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting) + self._inbox.qsize(),
             "page_size": self.kv.page_size,
             "preemptions": self.scheduler.num_preemptions,
             "adapters_registered": len(self.catalogue),
+            "adapters_refused": len(self.catalogue.refused()),
             **self.adapters.stats(),
             "device": self.device,
             "dtype": str(self.dtype).replace("torch.", ""),
@@ -371,13 +409,25 @@ class Engine:
                 return
 
     def _drop_cancelled(self) -> None:
-        """Poll the requests' cancellation flags, at most every CANCEL_POLL_S (each poll of a Triton
-        response sender is a round trip to the server process)."""
+        """End what cancel() named; then, at most every CANCEL_POLL_S, poll the requests' cancellation flags and send
+        the heartbeats that are due (GenerationRequest.keepalive_s)."""
+        named = []
+        while True:
+            try:
+                named.append(self._cancels.get_nowait())
+            except queue.Empty:
+                break
+        if named:
+            reasons = dict(named)
+            for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+                why = reasons.get(seq.request_id)
+                if why is not None:
+                    self._finish_with_error(seq, RequestError(ErrorCode.CANCELLED, f"request {seq.request_id}: {why}"))
         now = time.perf_counter()
         if now - self._last_cancel_poll < CANCEL_POLL_S:
             return
         self._last_cancel_poll = now
-        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             check = seq.request.is_cancelled
             try:
                 cancelled = bool(check and check())
@@ -386,6 +436,12 @@ class Engine:
             if cancelled:
                 self._finish_with_error(seq, RequestError(ErrorCode.CANCELLED,
                                                           f"request {seq.request_id}: cancelled by the client"))
+                continue
+            keepalive = seq.request.keepalive_s
+            if keepalive is not None and now - seq.last_output_at >= keepalive:
+                self._emit(seq, GenerationOutput(request_id=seq.request_id, token_ids=[], context_ids=[],
+                                                 heartbeat=True, adapter=seq.adapter,
+                                                 adapter_sha256=seq.adapter_sha256))
 
     def _fail_all(self, why: str) -> None:
         self._drain_inbox()
@@ -413,7 +469,12 @@ class Engine:
                 self.adapters.start_upload(spec)
 
     def step(self) -> bool:
-        """One scheduling decision and one forward pass; False when nothing could run."""
+        """One scheduling decision and one forward pass; False when nothing could run.
+
+        A failure fails only the requests that cause it, before their state advances: if the batched forward
+        raises, each sequence of the step runs again alone and only those that fail alone are failed; a request
+        whose own sampling or output fails is failed alone; every other request advances as if nothing happened.
+        """
         plan, failed = self.scheduler.schedule()
         for seq, error in failed:
             self._finish_with_error(seq, RequestError(ErrorCode.UNAVAILABLE, f"request {seq.request_id}: {error}"))
@@ -423,49 +484,101 @@ class Engine:
         try:
             if self._gate_loaders:
                 gate.clear()  # adapter loaders wait while this step's kernels are launched
-            build = self.steps
-            lists = build.gather(plan)
-            self._counters["tokens_in"] += len(lists.ids)
-            sampled = lists.sampled
-            graph_inputs = None
-            if self.graphs is not None and build.is_decode_only(plan) and self.graphs.fits(len(plan)):
-                graph_inputs = build.graph_inputs(plan, lists)
-            mixed = self.mixed_graphs
-            if graph_inputs is not None and self.graphs.serves(graph_inputs.adapters):
-                logits = self.graphs.run(graph_inputs)
-            elif mixed is not None and mixed.fits(len(lists.ids), len(plan)) and build.pages_only(plan):
-                logits = mixed.run(build.mixed_inputs(plan, lists))
-            else:
-                logits = self.model.forward(build.step_batch(plan, lists), self.kv, build.lora_batch(plan))
-        except Exception as e:
+            lists, logits = self._forward(plan)
+        except Exception:
             gate.set()
-            for chunk in plan:
-                self._finish_with_error(chunk.sequence, RequestError(
-                    ErrorCode.INTERNAL, f"request {chunk.sequence.request_id}: step failed: {e}"))
-            raise
+            if len(plan) == 1:
+                self._fail_step(plan[0], traceback.format_exc())
+            else:
+                log.warning("a step of %d sequences failed; running each alone to find the cause:\n%s",
+                            len(plan), traceback.format_exc())
+                self._run_alone(plan)
+            if self.tp is not None and self.tp.broken:  # no step can run again: fail what waits
+                self._fail_all(self.tp.broken.splitlines()[0])
+            return True
         gate.set()  # launched: loaders run while the device computes (sampling waits for it)
         self._counters["steps"] += 1
-        for chunk in plan:
-            chunk.sequence.num_computed += chunk.num_tokens
-        self._sample_and_emit(sampled, logits)
+        self._advance(plan, lists.sampled, logits)
         return True
 
-    def _sample_and_emit(self, sampled: list[Sequence], logits: torch.Tensor) -> None:
-        greedy = torch.argmax(logits, dim=-1).tolist() if len(sampled) else []
-        for row, seq in enumerate(sampled):
+    def _forward(self, plan: list[ScheduledChunk]) -> tuple[StepLists, torch.Tensor]:
+        """The step's forward: a decode CUDA graph, a mixed-step graph or the eager model; logits [sampled, V]."""
+        build = self.steps
+        lists = build.gather(plan)
+        graph_inputs = None
+        if self.graphs is not None and build.is_decode_only(plan) and self.graphs.fits(len(plan)):
+            graph_inputs = build.graph_inputs(plan, lists)
+        mixed = self.mixed_graphs
+        if graph_inputs is not None and self.graphs.serves(graph_inputs.adapters):
+            logits = self.graphs.run(graph_inputs)
+        elif mixed is not None and mixed.fits(len(lists.ids), len(plan)) and build.pages_only(plan):
+            logits = mixed.run(build.mixed_inputs(plan, lists))
+        else:
+            logits = self.model.forward(build.step_batch(plan, lists), self.kv, build.lora_batch(plan))
+        return lists, logits
+
+    def _run_alone(self, plan: list[ScheduledChunk]) -> None:
+        """After a failed batched forward: each chunk's forward alone (eager; it rewrites the same KV slots). Those
+        that fail alone are failed; the others advance."""
+        for chunk in plan:
+            try:
+                lists = self.steps.gather([chunk])
+                logits = self.model.forward(self.steps.step_batch([chunk], lists), self.kv,
+                                            self.steps.lora_batch([chunk]))
+            except Exception:  # noqa: BLE001 - this sequence's own step fails: it alone is failed
+                self._fail_step(chunk, traceback.format_exc())
+                continue
+            self._advance([chunk], lists.sampled, logits)
+
+    def _fail_step(self, chunk: ScheduledChunk, trace: str) -> None:
+        seq = chunk.sequence
+        log.error("request %s: step failed:\n%s", seq.request_id, trace)
+        reason = trace.strip().splitlines()[-1][:300]
+        self._finish_with_error(seq, RequestError(ErrorCode.INTERNAL, f"request {seq.request_id}: step failed: "
+                                                                      f"{reason}"))
+
+    def _advance(self, plan: list[ScheduledChunk], sampled: list[Sequence], logits: torch.Tensor) -> None:
+        """Commit a step: each chunk's tokens are computed, each sampled sequence gets its next token. A sequence
+        whose sampling or output handling raises is failed alone (its state is dropped with it)."""
+        row_of = {id(seq): row for row, seq in enumerate(sampled)}
+        greedy = torch.argmax(logits, dim=-1).tolist() if sampled else []
+        for chunk in plan:
+            seq = chunk.sequence
+            row = row_of.get(id(seq))
+            if row is None:  # a prefill chunk that does not reach the end of the prompt: no token yet
+                seq.num_computed += chunk.num_tokens
+                self._counters["tokens_in"] += chunk.num_tokens
+                continue
             params = seq.request.sampling
-            token = greedy[row] if params.temperature == 0.0 else sample_next(logits[row], params, seq.generator)
-            seq.append_token(token)
-            self._counters["tokens_out"] += 1
-            self._observe_token(seq)
-            output = seq.next_output()
-            if output is not None:
-                self._emit(seq, output)
-            if seq.finish_reason is not None:
-                self.scheduler.remove(seq)
-                self._counters["finished"] += 1
-                self.observer.request_finished(seq.adapter, len(seq.prompt_ids), len(seq.output_ids),
-                                               seq.finish_reason)
+            try:
+                token = greedy[row] if is_greedy(params) else sample_next(logits[row], params, seq.generator)
+            except Exception as e:  # noqa: BLE001 - one request's sampling fails it alone
+                log.warning("request %s: sampling failed: %s", seq.request_id, e)
+                self._finish_with_error(seq, RequestError(ErrorCode.INTERNAL,
+                                                          f"request {seq.request_id}: sampling failed: {e}"))
+                continue
+            seq.num_computed += chunk.num_tokens
+            self._counters["tokens_in"] += chunk.num_tokens
+            try:
+                self._take_token(seq, token)
+            except Exception as e:  # noqa: BLE001 - e.g. a detokenizer error: this request alone
+                log.warning("request %s: output failed:\n%s", seq.request_id, traceback.format_exc())
+                self._finish_with_error(seq, RequestError(ErrorCode.INTERNAL,
+                                                          f"request {seq.request_id}: output failed: {e}"))
+
+    def _take_token(self, seq: Sequence, token: int) -> None:
+        before = len(seq.output_ids)
+        seq.append_token(token)
+        self._counters["tokens_out"] += len(seq.output_ids) - before  # an EOS ends the request, it is no output
+        self._observe_token(seq)
+        output = seq.next_output()
+        if output is not None:
+            self._emit(seq, output)
+        if seq.finish_reason is not None and seq.status is not Status.FINISHED:
+            self.scheduler.remove(seq)
+            self._counters["finished"] += 1
+            self.observer.request_finished(seq.adapter, len(seq.prompt_ids), len(seq.output_ids),
+                                           seq.finish_reason)
 
     def _observe_token(self, seq: Sequence) -> None:
         now = time.perf_counter()
@@ -477,15 +590,20 @@ class Engine:
         seq.last_token_at = now
 
     def _emit(self, seq: Sequence, output: GenerationOutput) -> None:
+        seq.last_output_at = time.perf_counter()
         try:
             seq.emit(output)
         except Exception:  # noqa: BLE001 - a client gone away must not stop the engine
             log.warning("request %s: emit failed:\n%s", seq.request_id, traceback.format_exc())
-            if seq.finish_reason is None:
-                seq.finish_reason = "error"
+            if seq.status is not Status.FINISHED:
+                seq.finish_reason = seq.finish_reason or "error"
                 self.scheduler.remove(seq)
+                self._counters["errors"] += 1
+                self.observer.request_failed(seq.adapter, ErrorCode.UNAVAILABLE.value)
 
     def _finish_with_error(self, seq: Sequence, error: RequestError) -> None:
+        if seq.status is Status.FINISHED:  # already ended (an emit that failed earlier in this pass)
+            return
         self.scheduler.remove(seq)
         seq.finish_reason = "cancelled" if error.code is ErrorCode.CANCELLED else "error"
         self._counters["errors"] += 1

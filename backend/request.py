@@ -30,7 +30,10 @@ class GenerationRequest:
     adapter: str | None = None  # None or "": the base model alone
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stream: bool = True  # False: one output at the end, with every token
-    is_cancelled: Callable[[], bool] | None = None  # polled by the engine between steps
+    is_cancelled: Callable[[], bool] | None = None  # polled by the engine between steps (CANCEL_POLL_S)
+    # a heartbeat output (no tokens) whenever the request has had no output for this long: how a caller
+    # that only learns of cancellation when it handles an output (Triton's ensemble) hears of it in time
+    keepalive_s: float | None = None
 
 
 @dataclass
@@ -53,6 +56,7 @@ class GenerationOutput:
     error: RequestError | None = None
     adapter: str | None = None
     adapter_sha256: str | None = None  # the version of the adapter that served it
+    heartbeat: bool = False  # no tokens: only says the request is still on (GenerationRequest.keepalive_s)
 
 
 EmitFn = Callable[[GenerationOutput], None]

@@ -8,6 +8,11 @@ shape or bytes, ends in RequestError(INVALID_ARG) naming the input; never anothe
 
 Checks that need the model (vocabulary, context length, adapter names, queue) stay in
 Engine.validate; the ones here need nothing but the request.
+
+Request parameters (Triton's, not tensors: what an HTTP generate body's unknown keys become, and
+what an ensemble forwards to every step) are refused unless known: a misspelled input such as
+``lora_nme`` must not be served silently as the base model. ``sampling_parameters`` (a JSON object,
+as the vLLM backend reads it) is understood; keys starting with ``triton_`` belong to the server.
 """
 
 from __future__ import annotations
@@ -27,7 +32,12 @@ MAX_STOP_CHARS = 256  # characters in one stop string
 MAX_NAME_CHARS = 256  # adapter names
 MAX_CONTROL_BYTES = 64 * 1024
 INT32_MAX = 2**31 - 1
-CONTROL_OPS = ("list_adapters", "stats", "load_adapter", "unload_adapter")
+MAX_PARAMETER_BYTES = 64 * 1024  # a sampling_parameters JSON string
+CONTROL_OPS = ("list_adapters", "stats", "load_adapter", "unload_adapter", "cancel")
+SAMPLING_INPUTS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos")
+# sampling_parameters keys: the sampling inputs, and vLLM's that have one accepted value here
+SAMPLING_PARAMETER_KEYS = (*SAMPLING_INPUTS, "n")
+KNOWN_PARAMETERS = ("sampling_parameters", "exclude_input_in_output")
 
 
 def _invalid(message: str) -> RequestError:
@@ -135,29 +145,90 @@ def sampling_params(inputs: Mapping[str, Any]) -> SamplingParams:
         kwargs["seed"] = _integer("seed", _one("seed", present["seed"]), 0, 2**64 - 1)
     if "stop" in present:
         kwargs["stop"] = _stop(present["stop"])
+    if "ignore_eos" in present:
+        kwargs["ignore_eos"] = _boolean("ignore_eos", _one("ignore_eos", present["ignore_eos"]))
     return SamplingParams(**kwargs)
+
+
+def _parameter_value(key: str, value: Any) -> np.ndarray:
+    """A sampling_parameters value in the form the tensors take ([1, n] with the batch dimension)."""
+    if key == "stop":
+        items = value if isinstance(value, list) else [value]
+        if not all(isinstance(item, str) for item in items):
+            raise _invalid(f"sampling_parameters: 'stop' must be a string or a list of strings, got {value!r:.100}")
+        return np.array([items or [""]], dtype=np.object_)
+    if isinstance(value, (list, dict, str)) or value is None:
+        raise _invalid(f"sampling_parameters: '{key}' must be a number or a boolean, got {value!r:.100}")
+    return np.array([[value]], dtype=np.object_)
+
+
+def parameter_inputs(parameters: Mapping[str, Any], inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The sampling inputs that a request's Triton parameters carry (``sampling_parameters``), as arrays; raises
+    RequestError(INVALID_ARG) for an unknown parameter, an unknown or unsupported sampling key, or a value also
+    given as an input tensor."""
+    unknown = sorted(k for k in parameters if k not in KNOWN_PARAMETERS and not str(k).startswith("triton_"))
+    if unknown:
+        inputs_known = ", ".join(("text_input", "input_ids", "lora_name", "stream", *SAMPLING_INPUTS))
+        raise _invalid(f"unknown parameter {unknown[0][:100]!r}: inputs are {inputs_known}; parameters are "
+                       f"{', '.join(KNOWN_PARAMETERS)}")
+    if "exclude_input_in_output" in parameters and parameters["exclude_input_in_output"] is not True:
+        raise _invalid("exclude_input_in_output: only true is supported (outputs never repeat the prompt)")
+    raw = parameters.get("sampling_parameters")
+    if raw is None:
+        return {}
+    if not isinstance(raw, str) or len(raw) > MAX_PARAMETER_BYTES:
+        raise _invalid(f"sampling_parameters must be a JSON object in a string of at most {MAX_PARAMETER_BYTES} "
+                       f"bytes")
+    try:
+        values = json.loads(raw)
+    except (json.JSONDecodeError, RecursionError):
+        values = None
+    if not isinstance(values, dict):
+        raise _invalid(f"sampling_parameters must be a JSON object, got {raw[:200]!r}")
+    arrays: dict[str, np.ndarray] = {}
+    for key, value in values.items():
+        if key not in SAMPLING_PARAMETER_KEYS:
+            raise _invalid(f"sampling_parameters: {key[:100]!r} is not supported; supported: "
+                           f"{', '.join(SAMPLING_PARAMETER_KEYS)}")
+        if key == "n":
+            if value != 1 or isinstance(value, bool):
+                raise _invalid(f"sampling_parameters: n must be 1 (one output per request), got {value!r:.100}")
+            continue
+        if inputs.get(key) is not None:
+            raise _invalid(f"{key} is given twice: as an input and in sampling_parameters")
+        arrays[key] = _parameter_value(key, value)
+    return arrays
 
 
 def parse_generation(
     inputs: Mapping[str, Any],
     request_id: str,
     is_cancelled: Callable[[], bool] | None = None,
+    parameters: Mapping[str, Any] | None = None,
+    require_max_tokens: bool = False,
 ) -> GenerationRequest:
-    """One generate request's tensors -> GenerationRequest; RequestError(INVALID_ARG) if malformed."""
+    """One generate request's tensors (and Triton parameters) -> GenerationRequest; RequestError(INVALID_ARG) if
+    malformed. Without ``require_max_tokens`` a request that gives no max_tokens gets SamplingParams' default."""
     if inputs.get("input_ids") is None:
         raise _invalid("input_ids is missing (or send 'control' for a control request)")
     prompt = _prompt(inputs["input_ids"])
     adapter = ""
     if inputs.get("lora_name") is not None:
-        adapter = decode_text("lora_name", _one("lora_name", inputs["lora_name"])).strip()
+        adapter = decode_text("lora_name", _one("lora_name", inputs["lora_name"]))
         if len(adapter) > MAX_NAME_CHARS:
             raise _invalid(f"lora_name: at most {MAX_NAME_CHARS} characters, got {len(adapter)}")
+        if adapter and not adapter.strip():
+            raise _invalid("lora_name is blank: name an adapter, or send no lora_name (or an empty one) for the "
+                           "base model")
     stream = inputs.get("stream")
+    sampling = {**inputs, **parameter_inputs(parameters or {}, inputs)}
+    if require_max_tokens and sampling.get("max_tokens") is None:
+        raise _invalid("max_tokens is missing: send the most tokens to generate as max_tokens")
     return GenerationRequest(
         request_id=request_id,
         prompt_ids=prompt,
         adapter=adapter or None,
-        sampling=sampling_params(inputs),
+        sampling=sampling_params(sampling),
         stream=_boolean("stream", _one("stream", stream)) if stream is not None else False,
         is_cancelled=is_cancelled,
     )
@@ -166,7 +237,8 @@ def parse_generation(
 def parse_control(value: Any) -> dict:
     """The ``control`` input (one JSON object with "op") -> the validated command.
 
-    list_adapters, stats: {"op"}. load_adapter: {"op", "name", "path", "sha256" (str or None),
+    list_adapters, stats: {"op"}. cancel: {"op", "key"} (a request key, see the generator).
+    load_adapter: {"op", "name", "path", "sha256" (str or None),
     "replace" (bool)}. unload_adapter: {"op", "name"}.
     """
     raw = _one("control", value)
@@ -184,6 +256,11 @@ def parse_control(value: Any) -> dict:
         raise _invalid(f"unknown control op {op[:100]!r}; known: {', '.join(CONTROL_OPS)}")
     if op in ("list_adapters", "stats"):
         return {"op": op}
+    if op == "cancel":
+        key = command.get("key")
+        if not isinstance(key, str) or not key or len(key) > MAX_NAME_CHARS:
+            raise _invalid(f"cancel: 'key' must be a request key string, got {key!r:.100}")
+        return {"op": op, "key": key}
     name = command.get("name")
     if not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME_CHARS:
         raise _invalid(f"{op}: 'name' must be a non-empty string of at most {MAX_NAME_CHARS} characters, got {name!r}")

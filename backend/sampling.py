@@ -1,7 +1,8 @@
 """Next-token choice per request: greedy, or seeded temperature / top-k / top-p sampling.
 
 Each request draws from its own torch.Generator, so a seeded request gives the same
-tokens whatever else shares its batch.
+tokens whatever else shares its batch. A temperature below GREEDY_BELOW is greedy (as in
+vLLM): dividing logits by a denormal temperature overflows to inf and NaN probabilities.
 """
 
 from __future__ import annotations
@@ -9,6 +10,13 @@ from __future__ import annotations
 import torch
 
 from backend.request import SamplingParams
+
+GREEDY_BELOW = 1e-5  # temperatures under this are greedy
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    """Whether the request takes the argmax: temperature 0, or too small to divide by."""
+    return params.temperature < GREEDY_BELOW
 
 
 def make_generator(seed: int) -> torch.Generator:
@@ -33,9 +41,13 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token id from float32 logits [V]."""
-    if params.temperature == 0.0:
+    """One token id from float32 logits [V]; raises ValueError if the logits give no distribution
+    (NaN or all -inf), which fails this request alone."""
+    if is_greedy(params):
         return int(torch.argmax(logits).item())
     scaled = filter_logits(logits.float().cpu() / params.temperature, params.top_k, params.top_p)
     probs = torch.softmax(scaled, dim=-1)
+    if not bool(torch.isfinite(probs).all()):
+        raise ValueError(f"no distribution to sample from at temperature {params.temperature} "
+                         f"(non-finite probabilities)")
     return int(torch.multinomial(probs, 1, generator=generator).item())

@@ -46,6 +46,7 @@ class Sequence:
         self.submitted_at = time.perf_counter()
         self.admitted_at: float | None = None
         self.last_token_at: float | None = None
+        self.last_output_at = self.submitted_at  # last output or heartbeat handed to emit
 
     @property
     def request_id(self) -> str:

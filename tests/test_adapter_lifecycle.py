@@ -37,6 +37,20 @@ def test_runtime_updates_are_off_by_default(base, tmp_path, monkeypatch):
     engine.shutdown()
 
 
+def test_replies_and_listings_leave_out_server_paths_by_default(base, tmp_path):
+    path = write_random_adapter(tmp_path / "a", base, rank=2, targets=["q_proj"], seed=1)
+    engine = Engine(EngineConfig(model_dir=str(base), allow_runtime_adapters=True), start=False)
+    try:
+        loaded = engine.load_adapter("a", str(path))
+        listed = engine.list_adapters()
+        unloaded = engine.unload_adapter("a")
+    finally:
+        engine.shutdown()
+    assert set(loaded) == {"name", "status", "rank", "target_modules", "sha256", "layers"}, loaded
+    assert loaded["status"] == "ready" and listed == [loaded] and unloaded == {**loaded, "status": "unloaded"}
+    assert str(tmp_path) not in str([loaded, listed, unloaded])
+
+
 def test_load_unload_replace_while_generating_never_mixes_versions(base, tmp_path):
     """Hammer: versions of one name flip while requests run; each output equals the oracle of
     the version its responses name (the sha256 in every output)."""

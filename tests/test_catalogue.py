@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import threading
 import time
@@ -256,7 +257,7 @@ def test_register_all_strict_stops_at_first_bad(adapters: dict[str, Path], mc: M
     with pytest.raises(AdapterError) as ei:
         cat.register_all(mapping)
     assert ei.value.adapter == "too-big" and "rank 32 exceeds max_lora_rank 16" in str(ei.value)
-    assert len(cat) == 0  # nothing of a failed strict batch is registered
+    assert len(cat) == 0 and cat.refused() == []  # nothing of a failed strict batch is registered or remembered
 
 
 def test_register_all_lenient_returns_errors(adapters: dict[str, Path], mc: ModelConfig) -> None:
@@ -266,6 +267,36 @@ def test_register_all_lenient_returns_errors(adapters: dict[str, Path], mc: Mode
     assert sorted(errors) == ["../x", "missing", "too-big"]
     assert "does not exist" in str(errors["missing"])
     assert cat.names() == ["good"]
+
+
+def test_register_all_lenient_remembers_refusals(
+    adapters: dict[str, Path], mc: ModelConfig, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="manylora.catalogue")
+    cat = catalogue(mc)
+    missing = str(tmp_path / "gone")
+    mapping = {"good": str(adapters["r4"]), "too-big": str(adapters["r32"]), "missing": missing}
+    assert sorted(cat.register_all(mapping, strict=False)) == ["missing", "too-big"]
+    refused = {r.name: r for r in cat.refused()}
+    assert list(refused) == ["missing", "too-big"]
+    # the reason, which tenants see, names no server path; the path is kept apart for the operator
+    assert refused["missing"].path == missing and refused["missing"].reason == "directory <adapter dir> does not exist"
+    assert refused["too-big"].path == str(adapters["r32"])
+    assert refused["too-big"].reason.startswith("rank 32 exceeds max_lora_rank 16")
+    with pytest.raises(RequestError) as ei:
+        cat.resolve("missing")
+    assert ei.value.code == ErrorCode.NOT_FOUND
+    assert ei.value.message == "adapter 'missing' was refused at startup: directory <adapter dir> does not exist"
+    warnings = [r.getMessage() for r in caplog.records if r.name == "manylora.catalogue"]
+    assert len(warnings) == 2, warnings
+    assert any("'missing'" in w and missing in w and "does not exist" in w for w in warnings), warnings
+    # a bad new version of a registered name is not a refusal: the registered version goes on serving
+    assert sorted(cat.register_all({"good": missing}, strict=False)) == ["good"]
+    assert cat.resolve("good").rank == 4 and [r.name for r in cat.refused()] == ["missing", "too-big"]
+    # a name registered later (the operator fixed it) is refused no more
+    cat.register("missing", adapters["r8"])
+    cat.replace("too-big", adapters["r4"])
+    assert cat.refused() == [] and cat.resolve("missing").rank == 8 and cat.resolve("too-big").rank == 4
 
 
 def test_concurrent_registration(adapters: dict[str, Path], mc: ModelConfig) -> None:

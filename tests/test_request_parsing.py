@@ -236,3 +236,106 @@ def test_fuzz_control(value):
             or "path" in e.message or "sha256" in e.message or "replace" in e.message or "op" in e.message, e.message
         return
     assert command["op"] in ("list_adapters", "stats", "load_adapter", "unload_adapter")
+
+
+# -- adapter names, request parameters ----------------------------------------------------
+
+def test_adapter_names_are_taken_exactly_and_blank_ones_refused():
+    assert parse_generation(good(lora_name=np.array([[b" shout"]], dtype=np.object_)), "r").adapter == " shout"
+    for blank in (b" ", b"\t\n", "\u3000".encode()):
+        refused(good(lora_name=np.array([[blank]], dtype=np.object_)), "lora_name is blank")
+
+
+def with_parameters(parameters: dict, **overrides) -> GenerationRequest:
+    return parse_generation(good(**overrides), "r", parameters=parameters)
+
+
+def refused_parameters(parameters: dict, *words: str, **overrides) -> str:
+    with pytest.raises(RequestError) as info:
+        with_parameters(parameters, **overrides)
+    assert info.value.code == ErrorCode.INVALID_ARG
+    for word in words:
+        assert word in info.value.message, info.value.message
+    return info.value.message
+
+
+def test_unknown_parameters_are_refused_by_name():
+    refused_parameters({"lora_nme": "shout"}, "unknown parameter 'lora_nme'", "lora_name")
+    refused_parameters({"exclude_input_in_output": False}, "exclude_input_in_output")
+    # the server's own keys, and what the vLLM backend's clients send, are accepted
+    assert with_parameters({"triton_enable_empty_final_response": True, "exclude_input_in_output": True}).adapter
+
+
+def test_sampling_parameters_equal_the_same_values_as_tensors():
+    alone = {"input_ids": np.array([[0, 4]], dtype=np.int32)}
+    values = {"max_tokens": 9, "temperature": 0.5, "top_k": 7, "top_p": 0.8, "seed": 2**63, "stop": ["x", "yz"],
+              "ignore_eos": True, "n": 1}
+    from_json = parse_generation(alone, "r", parameters={"sampling_parameters": json.dumps(values)}).sampling
+    tensors = parse_generation({**alone, "max_tokens": np.array([[9]], np.int32),
+                                "temperature": np.array([[0.5]], np.float32), "top_k": np.array([[7]], np.int32),
+                                "top_p": np.array([[0.8]], np.float64), "seed": np.array([[2**63]], np.uint64),
+                                "stop": np.array([[b"x", b"yz"]], np.object_),
+                                "ignore_eos": np.array([[True]])}, "r").sampling
+    assert from_json == tensors and from_json.ignore_eos and from_json.stop == ("x", "yz")
+    single = parse_generation(alone, "r", parameters={"sampling_parameters": '{"stop": "END"}'})
+    assert single.sampling.stop == ("END",)
+
+
+@pytest.mark.parametrize("values, words", [
+    ({"presence_penalty": 1.0}, ["presence_penalty", "not supported"]),
+    ({"n": 2}, ["n must be 1"]),
+    ({"max_tokens": 2**40}, ["max_tokens must be in"]),
+    ({"max_tokens": 4.5}, ["max_tokens must be an integer"]),
+    ({"temperature": "hot"}, ["temperature"]),
+    ({"stop": [1, 2]}, ["stop"]),
+    ({"ignore_eos": 3}, ["ignore_eos"]),
+    ({"top_p": None}, ["top_p"]),
+])
+def test_bad_sampling_parameters_are_refused(values, words):
+    refused_parameters({"sampling_parameters": json.dumps(values)}, *words, max_tokens=None, stop=None, top_p=None,
+                       temperature=None)
+
+
+def test_sampling_parameters_must_be_a_json_object_and_not_repeat_an_input():
+    for raw in ("{oops", "[1]", "3", "x" * 70_000):
+        refused_parameters({"sampling_parameters": raw}, "sampling_parameters")
+    refused_parameters({"sampling_parameters": 7}, "sampling_parameters")
+    refused_parameters({"sampling_parameters": '{"max_tokens": 3}'}, "max_tokens is given twice")
+
+
+def test_max_tokens_can_be_required():
+    alone = {"input_ids": np.array([[0, 4]], dtype=np.int32)}
+    with pytest.raises(RequestError, match="max_tokens is missing"):
+        parse_generation(alone, "r", require_max_tokens=True)
+    assert parse_generation(alone, "r", parameters={"sampling_parameters": '{"max_tokens": 5}'},
+                            require_max_tokens=True).sampling.max_tokens == 5
+
+
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                           lambda children: st.lists(children, max_size=3)
+                           | st.dictionaries(st.text(max_size=8), children, max_size=3), max_leaves=8)
+
+
+@SETTINGS
+@given(parameters=st.dictionaries(st.sampled_from(["sampling_parameters", "exclude_input_in_output", "triton_x",
+                                                   "lora_nme", "temperature"]), JSON_VALUES, max_size=3),
+       sampling=st.dictionaries(st.sampled_from(["max_tokens", "temperature", "top_k", "top_p", "seed", "stop",
+                                                 "ignore_eos", "n", "min_p"]), JSON_VALUES, max_size=4))
+def test_fuzz_request_parameters(parameters, sampling):
+    if "sampling_parameters" in parameters and isinstance(parameters["sampling_parameters"], dict):
+        parameters["sampling_parameters"] = json.dumps(sampling)
+    try:
+        req = parse_generation({"input_ids": np.array([[0, 4]], dtype=np.int32)}, "fuzz", parameters=parameters)
+    except RequestError as e:
+        assert e.code == ErrorCode.INVALID_ARG and e.message
+        return
+    s = req.sampling
+    assert 1 <= s.max_tokens <= INT32_MAX and math.isfinite(s.temperature) and s.temperature >= 0
+    assert 0 < s.top_p <= 1 and s.top_k >= 0 and isinstance(s.ignore_eos, bool)
+
+
+def test_cancel_control():
+    assert parse_control(control({"op": "cancel", "key": "k1"})) == {"op": "cancel", "key": "k1"}
+    for bad in ({"op": "cancel"}, {"op": "cancel", "key": ""}, {"op": "cancel", "key": 5}):
+        with pytest.raises(RequestError, match="cancel"):
+            parse_control(control(bad))

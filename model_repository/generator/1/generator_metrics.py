@@ -42,6 +42,7 @@ FAMILIES: dict[str, tuple[str, str, list[float] | None]] = {
     "manylora_requests_running": ("GAUGE", "Requests in the running batch", None),
     "manylora_requests_waiting": ("GAUGE", "Requests waiting for admission", None),
     "manylora_adapters_resident": ("GAUGE", "Adapters resident in the GPU pool", None),
+    "manylora_adapters_refused": ("GAUGE", "Catalogue adapters refused at startup (list_adapters says why)", None),
 }
 PER_ADAPTER = {name for name in FAMILIES if name.startswith(("manylora_request", "manylora_prompt", "manylora_output",
                                                              "manylora_time_to", "manylora_inter", "manylora_queue"))}
@@ -212,6 +213,8 @@ class MetricsObserver:
         if resident is not None:
             count = len(resident) if isinstance(resident, (list, tuple, set, dict)) else resident
             self.metric("manylora_adapters_resident").set(float(count))
+        if "adapters_refused" in stats:
+            self.metric("manylora_adapters_refused").set(float(stats["adapters_refused"]))
         for key, family in STATS_COUNTERS.items():
             if key in stats:
                 delta = int(stats[key]) - int(previous.get(key, 0))
@@ -252,10 +255,12 @@ class StatsPoller:
                 if failures <= 5:
                     self._on_error(f"generator metrics poll: {type(e).__name__}: {e}")
 
-    def stop(self, timeout: float = 2.0) -> None:
+    def stop(self, timeout: float = 2.0) -> bool:
+        """Stop polling; whether the thread has ended (a poll can outlast ``timeout`` while the server stops)."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        return not self._thread.is_alive()
 
 
 def close(observer: MetricsObserver | None) -> None:

@@ -1,0 +1,248 @@
+"""Isolation as an invariant: whatever one request sends, every other request's output is exactly what it would be
+alone, and the engine's state stays consistent.
+
+A fuzz test drives the engine with random mixes of innocent requests (greedy and seeded sampling, base and adapters,
+streamed or not, stop strings) and hostile ones (near-zero and huge temperatures, extreme top-k / top-p, bad prompts,
+unknown adapters, clients that cancel, clients whose callback raises, a request whose forward raises, a request whose
+sampling raises), all in flight together, then runs every innocent request alone and compares. Rounds go on for
+MANYLORA_FUZZ_SECONDS (default 40); the seed (MANYLORA_FUZZ_SEED, default random) is printed on failure.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass, field, replace
+
+import pytest
+
+import backend.engine
+from backend.config import EngineConfig
+from backend.engine import Engine
+from backend.errors import ErrorCode, RequestError
+from backend.offline import generate
+from backend.request import GenerationOutput, GenerationRequest, SamplingParams
+from model_factory import make_adapter, make_base
+
+POISON_FORWARD = 3  # a prompt with this token id at position POISON_AT makes the model's forward raise
+POISON_AT = 3  # every prompt is longer than this, so no generated token sits there
+POISON_SEED = 666_666  # a request with this seed makes sampling raise
+VOCAB = 300
+MAX_LEN = 64
+FUZZ_SECONDS = float(os.environ.get("MANYLORA_FUZZ_SECONDS", "40"))
+BASE_SEED = int(os.environ.get("MANYLORA_FUZZ_SEED", str(random.SystemRandom().randrange(2**32))))
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    root = tmp_path_factory.mktemp("isolation")
+    base = make_base(root / "base", "llama", seed=5)
+    adapters = {"a": str(make_adapter(base, root / "a", rank=4, targets=["q_proj", "v_proj"], seed=1)),
+                "b": str(make_adapter(base, root / "b", rank=8, targets=["o_proj", "down_proj"], seed=2))}
+    # few sequences and few pages: requests queue, and running ones are preempted and recomputed
+    eng = Engine(EngineConfig(model_dir=str(base), adapters=adapters, max_model_len=MAX_LEN, max_num_seqs=6,
+                              num_kv_pages=14, page_size=8, max_loras=2))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _faults(engine, monkeypatch):
+    """The two injected faults: a forward over a batch holding POISON_FORWARD raises; sampling for POISON_SEED
+    raises. Innocent requests never hold either."""
+    forward = engine.model.forward
+
+    def poisoned_forward(batch, kv, lora):
+        if ((batch.positions == POISON_AT) & (batch.input_ids == POISON_FORWARD)).any():
+            raise RuntimeError("injected forward fault")
+        return forward(batch, kv, lora)
+
+    sample = backend.engine.sample_next
+
+    def poisoned_sample(logits, params, generator):
+        if params.seed == POISON_SEED:
+            raise RuntimeError("injected sampling fault")
+        return sample(logits, params, generator)
+
+    monkeypatch.setattr(engine.model, "forward", poisoned_forward)
+    monkeypatch.setattr(backend.engine, "sample_next", poisoned_sample)
+    monkeypatch.setattr(backend.engine, "CANCEL_POLL_S", 0.01)
+
+
+@dataclass
+class Outcome:
+    outputs: list[GenerationOutput] = field(default_factory=list)
+    refused: RequestError | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for o in self.outputs for t in o.token_ids]
+
+    @property
+    def last(self) -> GenerationOutput | None:
+        finals = [o for o in self.outputs if o.finished]
+        return finals[-1] if finals else None
+
+
+def _prompt(rng: random.Random, n: int | None = None) -> list[int]:
+    n = n if n is not None else rng.randint(POISON_AT + 1, 20)
+    return [0] + [rng.randrange(4, VOCAB) for _ in range(n - 1)]
+
+
+def _innocent(rng: random.Random, rid: str) -> GenerationRequest:
+    if rng.random() < 0.5:
+        params = SamplingParams(max_tokens=rng.randint(1, 24))
+    else:
+        params = SamplingParams(max_tokens=rng.randint(1, 24), temperature=rng.uniform(0.6, 1.6),
+                                top_k=rng.choice([0, 5, 50]), top_p=rng.choice([1.0, 0.9, 0.5]),
+                                seed=rng.randrange(1, 2**40))
+    if rng.random() < 0.2:
+        params = replace(params, stop=(rng.choice(["e", "th", " the", "o"]),))
+    return GenerationRequest(rid, _prompt(rng), rng.choice([None, "a", "b"]), params, stream=rng.random() < 0.7)
+
+
+def _hostile(rng: random.Random, rid: str) -> tuple[GenerationRequest, str]:
+    """A hostile request and what it does: "greedy" (must equal its greedy twin), "refused", "fails", "cancel",
+    "cancel_call", "raise_emit", "any" (any outcome, others unharmed)."""
+    kind = rng.choice(["tiny_temp", "huge_temp", "tiny_top_p", "huge_top_k", "bad_token", "empty", "too_long",
+                       "unknown_adapter", "poison_forward", "poison_sample", "cancel", "cancel_call", "raise_emit"])
+    prompt, adapter = _prompt(rng), rng.choice([None, "a", "b"])
+    params = SamplingParams(max_tokens=rng.randint(1, 24))
+    if kind == "tiny_temp":
+        temp = rng.choice([1e-45, 1e-40, 3e-38, 1e-30, 1e-10, 9.99e-6])
+        return GenerationRequest(rid, prompt, adapter, replace(params, temperature=temp, seed=rng.randrange(9)),
+                                 stream=rng.random() < 0.5), "greedy"
+    if kind == "huge_temp":
+        return GenerationRequest(rid, prompt, adapter, replace(params, temperature=rng.choice([1e30, 3.4e38]),
+                                                                seed=rng.randrange(9))), "any"
+    if kind == "tiny_top_p":
+        return GenerationRequest(rid, prompt, adapter, replace(params, temperature=1.0, top_p=1e-45, seed=1)), "any"
+    if kind == "huge_top_k":
+        return GenerationRequest(rid, prompt, adapter, replace(params, temperature=1.0, top_k=2**31 - 1, seed=1)), "any"
+    if kind == "bad_token":
+        return GenerationRequest(rid, prompt + [rng.choice([VOCAB, 2**31 - 1, -1])], adapter, params), "refused"
+    if kind == "empty":
+        return GenerationRequest(rid, [], adapter, params), "refused"
+    if kind == "too_long":
+        return GenerationRequest(rid, _prompt(rng, MAX_LEN), adapter, params), "refused"
+    if kind == "unknown_adapter":
+        return GenerationRequest(rid, prompt, rng.choice(["c", "a ", "../a"]), params), "refused"
+    if kind == "poison_forward":
+        prompt[POISON_AT] = POISON_FORWARD
+        return GenerationRequest(rid, prompt, adapter, params), "fails"
+    if kind == "poison_sample":
+        return GenerationRequest(rid, prompt, adapter, replace(params, temperature=1.0, seed=POISON_SEED)), "fails"
+    return GenerationRequest(rid, prompt, adapter, replace(params, max_tokens=rng.randint(10, 40))), kind
+
+
+def _run_mix(engine: Engine, rng: random.Random, requests: list[tuple[GenerationRequest, str]]) -> dict[str, Outcome]:
+    outcomes = {r.request_id: Outcome() for r, _ in requests}
+
+    def emitter(rid: str, kind: str):
+        def emit(out: GenerationOutput) -> None:
+            if kind == "raise_emit" and not out.heartbeat:
+                outcomes[rid].done.set()
+                raise RuntimeError("client callback fails")
+            outcomes[rid].outputs.append(out)
+            if out.finished:
+                outcomes[rid].done.set()
+        return emit
+
+    for request, kind in requests:
+        if kind == "cancel":
+            flag = threading.Event()
+            threading.Timer(rng.uniform(0.0, 0.05), flag.set).start()
+            request.is_cancelled = flag.is_set
+        try:
+            engine.submit(request, emitter(request.request_id, kind))
+        except RequestError as e:
+            outcomes[request.request_id].refused = e
+            outcomes[request.request_id].done.set()
+        if kind == "cancel_call":
+            threading.Timer(rng.uniform(0.0, 0.05), engine.cancel, (request.request_id,)).start()
+    for rid, outcome in outcomes.items():
+        assert outcome.done.wait(120), f"request {rid} never finished"
+    return outcomes
+
+
+def _solo(engine: Engine, request: GenerationRequest) -> tuple[list[int], str | None, str | None]:
+    alone = replace(request, request_id=request.request_id + "-alone", is_cancelled=None)
+    [result] = generate(engine, [alone])
+    sha = result.chunks[-1].adapter_sha256 if result.chunks else None
+    return result.token_ids, result.finish_reason, sha
+
+
+def _settled(engine: Engine) -> dict:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        stats = engine.stats()
+        if stats["running"] == 0 and stats["waiting"] == 0:
+            return stats
+        time.sleep(0.01)
+    return engine.stats()
+
+
+def test_no_request_changes_another_requests_output(engine):
+    started, rounds = time.monotonic(), 0
+    while rounds < 2 or time.monotonic() - started < FUZZ_SECONDS:
+        seed = BASE_SEED + rounds
+        rounds += 1
+        rng = random.Random(seed)
+        why = f"(fuzz seed {seed}; rerun with MANYLORA_FUZZ_SEED={seed})"
+        mix = [(_innocent(rng, f"r{seed}-i{i}"), "innocent") for i in range(rng.randint(6, 14))]
+        mix += [_hostile(rng, f"r{seed}-h{i}") for i in range(rng.randint(2, 8))]
+        rng.shuffle(mix)
+        errors_before = engine.stats()["errors"]
+        outcomes = _run_mix(engine, rng, mix)
+        stats = _settled(engine)
+        assert stats["running"] == 0 and stats["waiting"] == 0, f"requests left in the engine {why}: {stats}"
+        assert engine.pool.usage()["kv"] == 0, f"KV pages left allocated {why}"
+        failed = 0
+        for request, kind in mix:
+            outcome = outcomes[request.request_id]
+            last = outcome.last
+            if kind == "innocent":
+                assert outcome.refused is None and last is not None and last.error is None, \
+                    f"innocent {request.request_id} failed {why}: {outcome.refused or last}"
+                tokens, reason, sha = _solo(engine, request)
+                assert (outcome.tokens, last.finish_reason) == (tokens, reason), \
+                    f"innocent {request.request_id} differs from its run alone {why}"
+                assert last.adapter_sha256 == sha, f"{request.request_id}: another adapter version {why}"
+            elif kind == "greedy":
+                assert last is not None and last.error is None, f"{request.request_id}: {last} {why}"
+                twin = replace(request, sampling=replace(request.sampling, temperature=0.0, seed=None))
+                assert outcome.tokens == _solo(engine, twin)[0], f"near-zero temperature is not greedy {why}"
+            elif kind == "refused":
+                assert outcome.refused is not None and outcome.refused.code in (
+                    ErrorCode.INVALID_ARG, ErrorCode.NOT_FOUND), f"{request.request_id} not refused {why}"
+                failed += 1
+            elif kind == "fails":
+                assert last is not None and last.error is not None and last.error.code is ErrorCode.INTERNAL, \
+                    f"{request.request_id}: {last} {why}"
+                assert request.request_id in last.error.message
+                failed += 1
+            elif kind in ("cancel", "cancel_call"):
+                assert last is not None and (last.error is None or last.error.code is ErrorCode.CANCELLED), why
+                failed += last.error is not None
+            elif kind == "raise_emit":
+                failed += 1
+            else:  # "any": ends one way or another
+                assert outcome.refused is not None or last is not None, why
+                failed += outcome.refused is not None or (last is not None and last.error is not None)
+        assert engine.stats()["errors"] - errors_before == failed, f"error count off {why}"
+
+
+def test_a_failing_forward_fails_only_its_request_before_its_state_advances(engine):
+    good = [GenerationRequest(f"g{i}", _prompt(random.Random(i), 6), name, SamplingParams(max_tokens=8))
+            for i, name in enumerate([None, "a", "b", None])]
+    bad = GenerationRequest("poisoned", [0, 7, 8, POISON_FORWARD, 9], "a", SamplingParams(max_tokens=8))
+    results = generate(engine, [good[0], bad, *good[1:]])
+    assert results[1].error is not None and results[1].error.code is ErrorCode.INTERNAL
+    assert "poisoned" in results[1].error.message and "injected forward fault" in results[1].error.message
+    for request, result in zip(good, [results[0], *results[2:]], strict=True):
+        assert result.error is None
+        assert result.token_ids == _solo(engine, request)[0]
+    assert engine.pool.usage()["kv"] == 0
