@@ -154,7 +154,8 @@ class ManyLoraClient:
         return ids
 
     def list_adapters(self) -> list[dict]:
-        """The adapters the running server knows: name, rank, target_modules, sha256, path."""
+        """The adapters the running server knows: name, status ("ready", or "refused" with its reason), rank,
+        target_modules, sha256, layers (and path, where the operator set list_adapter_paths)."""
         return self._control({"op": "list_adapters"})["adapters"]
 
     def stats(self) -> dict:
@@ -166,7 +167,7 @@ class ManyLoraClient:
 
         ``sha256`` pins the weights (refused if they differ); ``replace`` re-versions a registered
         name (requests already admitted finish on the old version). Returns the adapter's info
-        (name, rank, target_modules, sha256, path). Needs MANYLORA_ALLOW_RUNTIME_ADAPTERS=1 on
+        (name, rank, target_modules, sha256, layers). Needs MANYLORA_ALLOW_RUNTIME_ADAPTERS=1 on
         the server; otherwise ManyLoraError with status UNSUPPORTED.
         """
         command = {"op": "load_adapter", "name": name, "path": str(path), "replace": bool(replace)}

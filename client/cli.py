@@ -59,13 +59,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def format_adapters(adapters: list[dict], full: bool = False) -> str:
-    rows = [("NAME", "RANK", "TARGET MODULES", "SHA256")]
+    """A table of the server's adapters; a refused one shows its reason in place of its weights' hash."""
+    rows = [("NAME", "STATUS", "RANK", "TARGET MODULES", "SHA256 / REASON")]
     for a in adapters:
         sha = a.get("sha256", "") if full else a.get("sha256", "")[:12]
-        rows.append((a["name"], str(a.get("rank", "")), ",".join(a.get("target_modules", [])), sha))
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+        last = a.get("reason", "") if a.get("status") == "refused" else sha
+        rows.append((a["name"], a.get("status", "ready"), str(a.get("rank", "")),
+                     ",".join(a.get("target_modules", [])), last))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
     return "\n".join(
-        "  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths, strict=True)) + "  " + row[3]
+        "  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True)) + "  " + row[4]
         for row in rows
     )
 

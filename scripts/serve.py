@@ -2,8 +2,12 @@
 
 Renders model_repository/ into --out with the parameters filled in (absolute paths, engine
 knobs), makes the Python-backend stub and its libraries reachable, then execs tritonserver
-listening on 127.0.0.1. The helpers are importable so the end-to-end tests start the server
-exactly the same way:
+listening on 127.0.0.1 (--address picks another: a deliberate choice). Triton's administrative
+APIs (shared memory, model repository, model config, statistics, logging, trace) are restricted
+to requests that carry the header ``manylora-admin-key`` with the operator's key (--admin-key,
+$MANYLORA_ADMIN_KEY, else a random key kept in --admin-key-file); --open-apis opens some or all.
+docs/security.md says what is exposed and why. The helpers are importable so the end-to-end
+tests start the server exactly the same way:
 
     python scripts/serve.py --base-model build/default/base --adapters build/default/catalogue.json
     python scripts/serve.py --param max_loras=8 --param page_size=32 --http-port 9000
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import secrets
 import shutil
 import sys
 import sysconfig
@@ -40,6 +45,10 @@ ENGINE_PARAMS = (
 # config.pbtxt parameters of the generator model file itself, not EngineConfig fields
 MODEL_PARAMS = ("metrics_adapter_labels",)
 PLACEHOLDER = re.compile(r"\$\{([a-z_]+)\}")
+# Triton's APIs that no tenant needs: registering shared-memory regions (the Python backend's own among them),
+# loading and unloading models, configs (they hold server paths), per-model statistics, log and trace settings
+ADMIN_APIS = ("shared-memory", "model-repository", "model-config", "statistics", "logging", "trace")
+ADMIN_HEADER = "manylora-admin-key"
 
 
 def site_packages() -> Path:
@@ -152,6 +161,40 @@ def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def admin_key(given: str | None, key_file: str | Path) -> str:
+    """The operator's admin key: given, else the one kept in ``key_file`` (made with a random key, mode 0600,
+    when missing)."""
+    if given:
+        return given
+    path = Path(key_file)
+    if path.is_file():
+        key = path.read_text().strip()
+        if key:
+            return key
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(key + "\n")
+    return key
+
+
+def restriction_flags(key: str, open_apis: tuple[str, ...] = ()) -> list[str]:
+    """tritonserver flags that restrict ADMIN_APIS (less ``open_apis``) to requests with the admin key header."""
+    unknown = sorted(set(open_apis) - set(ADMIN_APIS) - {"all"})
+    if unknown:
+        raise ValueError(f"--open-apis: unknown API(s) {unknown}; restricted ones are {', '.join(ADMIN_APIS)} (or all)")
+    if "all" in open_apis:
+        return []
+    restricted = ",".join(api for api in ADMIN_APIS if api not in open_apis)
+    if not restricted:
+        return []
+    if not re.fullmatch(r"[A-Za-z0-9._~-]+", key):
+        raise ValueError("the admin key may hold only letters, digits and ._~- (it travels in a header)")
+    return [f"--http-restricted-api={restricted}:{ADMIN_HEADER}={key}",
+            f"--grpc-restricted-protocol={restricted}:{ADMIN_HEADER}={key}"]
+
+
 def server_command(
     repository: str | Path,
     http_port: int = 8000,
@@ -159,7 +202,9 @@ def server_command(
     metrics_port: int = 8002,
     address: str = "127.0.0.1",
     extra: list[str] | None = None,
+    restrictions: list[str] | None = None,
 ) -> list[str]:
+    """The tritonserver command line; ``restrictions`` are restriction_flags() (none: every API open)."""
     home = triton_home()
     return [
         str(home / "bin" / "tritonserver"),
@@ -173,6 +218,7 @@ def server_command(
         f"--metrics-port={metrics_port}",
         "--backend-config=python,shm-default-byte-size=4194304",
         "--backend-config=python,shm-growth-byte-size=1048576",
+        *(restrictions or []),
         *(extra or []),
     ]
 
@@ -196,7 +242,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--http-port", type=int, default=8000)
     ap.add_argument("--grpc-port", type=int, default=8001)
     ap.add_argument("--metrics-port", type=int, default=8002)
-    ap.add_argument("--address", default="127.0.0.1", help="address to listen on (loopback by default)")
+    ap.add_argument("--address", default="127.0.0.1",
+                    help="address to listen on (loopback by default; 0.0.0.0 for every interface)")
+    ap.add_argument("--admin-key", default=os.environ.get("MANYLORA_ADMIN_KEY"),
+                    help=f"value of the {ADMIN_HEADER} header that opens the restricted APIs "
+                         "(default: $MANYLORA_ADMIN_KEY, else the key in --admin-key-file)")
+    ap.add_argument("--admin-key-file", default="build/admin-key",
+                    help="where the admin key is kept when none is given (made, mode 0600, if missing)")
+    ap.add_argument("--open-apis", default="",
+                    help=f"comma-separated APIs to leave open to everyone, of {', '.join(ADMIN_APIS)}; or 'all'")
     ap.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="engine parameter (repeatable)")
     ap.add_argument("--dry-run", action="store_true", help="render and print the command, do not start")
     args, extra = ap.parse_known_args(argv)
@@ -204,11 +258,19 @@ def main(argv: list[str] | None = None) -> int:
         params = {k: v for k, v in parse_params(args.param).items() if v != ""}
         repo = render_repository(args.base_model, args.adapters or None, args.out, params, args.model_repository)
         install_stub()
-        cmd = server_command(repo, args.http_port, args.grpc_port, args.metrics_port, args.address, extra)
+        open_apis = tuple(api.strip() for api in args.open_apis.split(",") if api.strip())
+        restrictions = restriction_flags(admin_key(args.admin_key, args.admin_key_file), open_apis)
+        cmd = server_command(repo, args.http_port, args.grpc_port, args.metrics_port, args.address, extra,
+                             restrictions)
     except (FileNotFoundError, ValueError) as e:
         print(f"serve: {e}", file=sys.stderr)
         return 2
-    print(" ".join(cmd), file=sys.stderr, flush=True)
+    shown = [re.sub(f"{ADMIN_HEADER}=.*", f"{ADMIN_HEADER}=<key>", part) for part in cmd]
+    print(" ".join(shown), file=sys.stderr, flush=True)
+    if restrictions:
+        where = "--admin-key" if args.admin_key else args.admin_key_file
+        print(f"serve: {', '.join(a for a in ADMIN_APIS if a not in open_apis)} need the header "
+              f"'{ADMIN_HEADER}' (its value: {where})", file=sys.stderr, flush=True)
     if args.dry_run:
         return 0
     os.execve(cmd[0], cmd, server_env())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -53,6 +54,7 @@ class Server:
     process: subprocess.Popen
     metrics_port: int = 0
     max_model_len: int = MAX_MODEL_LEN
+    admin_key: str = ""  # the value of serve.ADMIN_HEADER that opens the restricted APIs
 
     def client(self):
         from client import ManyLoraClient
@@ -162,8 +164,10 @@ def start_server(
     env: dict[str, str] | None = None,
     catalogue_file: Path | None = None,
     wait: bool = True,
+    open_apis: tuple[str, ...] = (),
 ) -> Server:
-    """Render the repository into ``work`` and start tritonserver on free ports (127.0.0.1).
+    """Render the repository into ``work`` and start tritonserver on free ports (127.0.0.1), with the
+    administrative APIs restricted as scripts/serve.py does (less ``open_apis``) under a fresh admin key.
 
     The server's environment is this process's without MANYLORA_ALLOW_RUNTIME_ADAPTERS, plus
     ``env``. With ``wait`` it returns once the llm ensemble is ready (or fails the test).
@@ -173,7 +177,9 @@ def start_server(
     repository = serve.render_repository(model_dir / "base", catalogue_file, work / "model_repository", params)
     serve.install_stub()
     http_port, grpc_port, metrics_port = free_ports(3)
-    command = serve.server_command(repository, http_port, grpc_port, metrics_port)
+    key = secrets.token_urlsafe(16)
+    command = serve.server_command(repository, http_port, grpc_port, metrics_port,
+                                   restrictions=serve.restriction_flags(key, open_apis))
     base_env = {k: v for k, v in os.environ.items() if k != RUNTIME_ENV}
     log = work / "server.log"
     with open(log, "wb") as out:
@@ -191,6 +197,7 @@ def start_server(
         process=process,
         metrics_port=metrics_port,
         max_model_len=int(params["max_model_len"]),
+        admin_key=key,
     )
     if wait:
         try:

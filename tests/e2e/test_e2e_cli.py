@@ -25,13 +25,14 @@ def test_adapters_list(server, full):
     done = _cli(server, "adapters", "list", *(["--full"] if full else []))
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0].split() == ["NAME", "RANK", "TARGET", "MODULES", "SHA256"]
+    assert lines[0].split() == ["NAME", "STATUS", "RANK", "TARGET", "MODULES", "SHA256", "/", "REASON"]
     rows = {line.split()[0]: line.split() for line in lines[1:]}
     assert set(rows) == set(server.catalogue)
     for name, path in server.catalogue.items():
         config = json.loads((Path(path) / "adapter_config.json").read_text())
         sha = hashlib.sha256((Path(path) / "adapter_model.safetensors").read_bytes()).hexdigest()
-        _, rank, targets, shown = rows[name]
+        _, status, rank, targets, shown = rows[name]
+        assert status == "ready"
         assert int(rank) == config["r"]
         assert set(targets.split(",")) == set(config["target_modules"])
         assert shown == (sha if full else sha[:12])

@@ -25,13 +25,15 @@ def healthcheck(server, timeout: float = 10.0) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout + 60)
 
 
-def test_pinned_sha256_mismatch_refuses_to_start(model_dir, tmp_path, make_server):
+def test_pinned_sha256_mismatch_refuses_to_start_when_strict(model_dir, tmp_path, make_server):
+    """With strict_adapters the server fails fast on a pinned sha256 that does not match (by default that adapter
+    alone is refused: tests/e2e/test_e2e_bad_adapter.py)."""
     catalogue = json.loads((model_dir / "catalogue.json").read_text())
     pinned = {name: path for name, path in catalogue.items()}
     pinned["shout"] = {"path": catalogue["shout"], "sha256": "0" * 64}
     catalogue_file = tmp_path / "pinned.json"
     catalogue_file.write_text(json.dumps(pinned))
-    srv = make_server(model_dir, tmp_path, catalogue_file=catalogue_file, wait=False)
+    srv = make_server(model_dir, tmp_path, {"strict_adapters": "true"}, catalogue_file=catalogue_file, wait=False)
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and srv.process.poll() is None:

@@ -4,10 +4,18 @@ Decoupled. execute() hands each request to the engine and returns at once; the e
 thread calls emit() for every chunk, and emit() sends it on the request's response sender
 (FINAL on the last). Errors are per request: one bad request never fails its batch.
 
-Request tensors become a GenerationRequest in backend/request_parsing.py (plain Python, fuzzed).
-Control requests (`control` = JSON): list_adapters, stats, load_adapter, unload_adapter; the
-last two need MANYLORA_ALLOW_RUNTIME_ADAPTERS=1 in the server's environment (the engine's
-RequestError code and message come back as the Triton error otherwise).
+Request tensors (and Triton request parameters) become a GenerationRequest in
+backend/request_parsing.py (plain Python, fuzzed). Control requests (`control` = JSON):
+list_adapters, stats, load_adapter, unload_adapter, cancel; load/unload need
+MANYLORA_ALLOW_RUNTIME_ADAPTERS=1 in the server's environment (the engine's RequestError code
+and message come back as the Triton error otherwise).
+
+Cancellation through the `llm` ensemble: Triton 2.51 does not tell a step that is already running
+that its ensemble request was cancelled (a gRPC cancel, a closed HTTP stream); it marks only the
+requests it makes for later steps. So a request with `keepalive` set (preprocessing sets it inside
+the ensemble) carries an unguessable `request_key` on every response, gets a heartbeat response
+(only `request_key`) after KEEPALIVE_S without output, and postprocessing, which sees the
+cancelled flag on the step request such a response makes, sends {"op": "cancel", "key": ...} back.
 Metrics: generator_metrics.MetricsObserver (pb_utils.MetricFamily), the engine's observer.
 """
 
@@ -17,7 +25,9 @@ import contextlib
 import faulthandler
 import itertools
 import json
+import secrets
 import signal
+import threading
 import traceback
 from collections import Counter
 
@@ -32,15 +42,18 @@ from backend.devices import instance_device
 from backend.engine import Engine
 from backend.errors import ErrorCode, RequestError
 from backend.request import GenerationOutput
-from backend.request_parsing import parse_control, parse_generation
+from backend.request_parsing import decode_text, parse_control, parse_generation
 from backend.response_tensors import is_requested, output_arrays
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # config.pbtxt parameters that are not EngineConfig fields: the checkpoint, the catalogue, the
 # device (resolved here) and the model file's own settings (metrics)
 NOT_ENGINE_FIELDS = ("base_model", "adapters", "device", "metrics_adapter_labels")
-INPUTS = ("input_ids", "max_tokens", "lora_name", "stream", "temperature", "top_k", "top_p", "seed", "stop")
+INPUTS = ("input_ids", "max_tokens", "lora_name", "stream", "temperature", "top_k", "top_p", "seed", "stop",
+          "ignore_eos")
 DEFAULT_ADAPTER_LABELS = 100
+KEEPALIVE_S = 0.25  # a keepalive request's longest silence: how soon an ensemble cancellation is seen
+ERROR_DELAY_S = 0.2  # a keepalive request's error after earlier responses waits this long (_Emitter)
 
 
 def _triton_error(code: ErrorCode | str, message: str):
@@ -121,11 +134,16 @@ class TritonPythonModel:
         except Exception as e:
             # the message names the adapter (a pinned sha256 that does not match, a bad catalogue entry)
             pb_utils.Logger.log_error(f"generator: engine failed to start: {e}")
+            # finalize() does not run after a failed start: drop the metrics in the order the backend needs now
+            # (left to the garbage collector, they crashed the stub on its way out)
+            close_metrics(self.metrics)
             raise pb_utils.TritonModelException(f"generator: engine failed to start: {e}") from e
         if self.metrics is not None:
             self.poller = StatsPoller(self.engine.stats, self.metrics, 0.5, pb_utils.Logger.log_warn).start()
         self._ids = itertools.count()
         self._execute_sizes: Counter[int] = Counter()  # requests per execute() call: is Triton batching?
+        self._keys: dict[str, str] = {}  # request key -> engine request id, for keepalive requests in flight
+        self._keys_lock = threading.Lock()
 
     @staticmethod
     def _create_metrics(adapter_labels: int) -> MetricsObserver | None:
@@ -150,10 +168,10 @@ class TritonPythonModel:
         return None
 
     def finalize(self) -> None:
-        if self.poller is not None:
-            self.poller.stop()
+        stopped = self.poller is None or self.poller.stop(timeout=5.0)
         self.engine.shutdown()
-        close_metrics(self.metrics)
+        if stopped:  # a poll still under way would use the metrics as they are dropped: leave them then
+            close_metrics(self.metrics)
 
     def _submit(self, request, sender) -> None:
         requested = frozenset(request.requested_output_names())
@@ -161,15 +179,34 @@ class TritonPythonModel:
         if control is not None:
             self._control(parse_control(control.as_numpy()), sender, requested)
             return
+        inputs = _inputs(request)
+        request_id = f"{request.request_id() or 'req'}#{next(self._ids)}"
         try:
-            gen = parse_generation(
-                _inputs(request), f"{request.request_id() or 'req'}#{next(self._ids)}", sender.is_cancelled
-            )
-        except RequestError as e:  # the engine never saw it: count it here
-            if self.metrics is not None:
-                self.metrics.request_failed(None, e.code.value)
+            refusal = pb_utils.get_input_tensor_by_name(request, "refusal")
+            if refusal is not None:  # preprocessing refused it; the refusal is counted here, with the rest
+                raise RequestError(ErrorCode.INVALID_ARG, decode_text("refusal", refusal.as_numpy().reshape(-1)[0]))
+            keepalive = _keepalive(request)
+            gen = parse_generation(inputs, request_id, None if keepalive else sender.is_cancelled,
+                                   _request_parameters(request), require_max_tokens=keepalive)
+        except RequestError as e:  # the engine never saw it: count it there all the same
+            self.engine.count_refusal(_adapter_name(inputs), e.code)
             raise
-        self.engine.submit(gen, _Emitter(sender, requested))
+        key = None
+        if keepalive:
+            gen.keepalive_s = KEEPALIVE_S
+            key = secrets.token_urlsafe(24)
+            with self._keys_lock:
+                self._keys[key] = request_id
+        try:
+            self.engine.submit(gen, _Emitter(sender, requested, key, self._forget))
+        except RequestError:
+            self._forget(key)
+            raise
+
+    def _forget(self, key: str | None) -> None:
+        if key is not None:
+            with self._keys_lock:
+                self._keys.pop(key, None)
 
     def _control(self, command: dict, sender, requested: frozenset[str]) -> None:
         op = command["op"]
@@ -184,6 +221,12 @@ class TritonPythonModel:
             )
         elif op == "unload_adapter":
             result = self.engine.unload_adapter(command["name"])
+        elif op == "cancel":  # from postprocessing: its ensemble request was cancelled (module docstring)
+            with self._keys_lock:
+                request_id = self._keys.get(command["key"])
+            if request_id is not None:
+                self.engine.cancel(request_id, "cancelled by the client")
+            result = {}
         else:  # parse_control knows the ops
             raise RequestError(ErrorCode.INVALID_ARG, f"unknown control op {op!r}")
         tensors = []
@@ -202,22 +245,78 @@ class TritonPythonModel:
             pb_utils.Logger.log_error(f"generator: could not send error: {traceback.format_exc()}")
 
 
+def _request_parameters(request) -> dict:
+    try:
+        parameters = json.loads(request.parameters() or "{}")
+    except (TypeError, ValueError):
+        parameters = None
+    if not isinstance(parameters, dict):
+        raise RequestError(ErrorCode.INVALID_ARG, "request parameters are not a JSON object")
+    return parameters
+
+
+def _keepalive(request) -> bool:
+    tensor = pb_utils.get_input_tensor_by_name(request, "keepalive")
+    return tensor is not None and bool(tensor.as_numpy().reshape(-1)[:1].all())
+
+
+def _adapter_name(inputs: dict) -> str | None:
+    """The adapter a refused request named, for its error count's label (None if unreadable)."""
+    try:
+        raw = inputs["lora_name"].reshape(-1)[0]
+        return raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+    except Exception:  # noqa: BLE001 - absent or malformed: the count goes to "base"
+        return None
+
+
 class _Emitter:
     """emit() for one request: called from the engine thread with each GenerationOutput; sends only
-    the outputs the request asked for (backend/response_tensors.py says why)."""
+    the outputs the request asked for (backend/response_tensors.py says why), and for a keepalive
+    request its key on every response and a response of the key alone for each heartbeat.
 
-    def __init__(self, sender, requested: frozenset[str]) -> None:
+    A keepalive request's error after earlier responses goes out with care: in Triton 2.51 an error
+    from a step of an ensemble request while another of its steps is in flight (postprocessing of an
+    earlier response) leaves the ensemble request in flight for good (its step count is no longer
+    kept once the status is an error). So a cancelled keepalive request ends with FINAL alone (its
+    client is gone), and another error is sent ERROR_DELAY_S later, when postprocessing has had time
+    to finish what came before.
+    """
+
+    def __init__(self, sender, requested: frozenset[str], key: str | None, forget) -> None:
         self.sender = sender
         self.requested = requested
+        self.key = None if key is None else np.array([[key.encode("ascii")]], dtype=np.object_)
+        self.forget = lambda: forget(key)
+        self.sent = False
 
     def __call__(self, out: GenerationOutput) -> None:
         try:
             if out.error is not None:
-                response = pb_utils.InferenceResponse(error=_triton_error(out.error.code, out.error.message))
-                self.sender.send(response, flags=FINAL)
+                self.forget()
+                self._send_error(out.error)
                 return
-            tensors = [pb_utils.Tensor(name, array) for name, array in output_arrays(out, self.requested)]
-            response = pb_utils.InferenceResponse(output_tensors=tensors)
-            self.sender.send(response, flags=FINAL if out.finished else 0)
+            tensors = [] if out.heartbeat else [pb_utils.Tensor(name, array)
+                                                for name, array in output_arrays(out, self.requested)]
+            if self.key is not None:
+                tensors.append(pb_utils.Tensor("request_key", self.key))
+            if out.finished:
+                self.forget()
+            self.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=FINAL if out.finished else 0)
+            self.sent = True
         except Exception:  # noqa: BLE001 - a closed or cancelled stream; the engine thread must go on
             pb_utils.Logger.log_error(f"generator: could not send output: {traceback.format_exc()}")
+
+    def _send_error(self, error: RequestError) -> None:
+        response = pb_utils.InferenceResponse(error=_triton_error(error.code, error.message))
+        if self.key is None or not self.sent:
+            self.sender.send(response, flags=FINAL)
+        elif error.code is ErrorCode.CANCELLED:
+            self.sender.send(flags=FINAL)
+        else:
+            threading.Timer(ERROR_DELAY_S, self._send_late, (response,)).start()
+
+    def _send_late(self, response) -> None:
+        try:
+            self.sender.send(response, flags=FINAL)
+        except Exception:  # noqa: BLE001 - the stream is gone
+            pb_utils.Logger.log_error(f"generator: could not send error: {traceback.format_exc()}")
