@@ -109,6 +109,10 @@ class EngineConfig:
             naming it get NOT_FOUND with the reason) and every other adapter is served.
         list_adapter_paths: adapter listings and load / unload replies include each adapter's directory on the
             server (``"path"``); off: they leave it out, since any tenant may list adapters.
+        stream_interval_ms: a streamed request's chunks are released at least this far apart (its first token at
+            once, its last with the end): the tokens of the interval travel in one response. Each response costs
+            the Triton stub the same whatever it holds, so one per token would cap the server far below the
+            engine; 0: one response per token (as far as UTF-8 boundaries and stop strings allow).
     """
 
     model_dir: str
@@ -150,6 +154,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     strict_adapters: bool = False
     list_adapter_paths: bool = False
+    stream_interval_ms: float = 50.0
 
     def __post_init__(self) -> None:
         positive = ("max_lora_rank", "max_loras", "max_num_seqs", "max_num_batched_tokens", "page_size",
@@ -170,6 +175,8 @@ class EngineConfig:
         self._check_group_carveouts()
         if not 0.0 <= self.host_cache_fraction <= 1.0:
             raise ValueError(f"EngineConfig.host_cache_fraction must be in [0, 1], got {self.host_cache_fraction}")
+        if not 0.0 <= self.stream_interval_ms <= 10_000:
+            raise ValueError(f"EngineConfig.stream_interval_ms must be in [0, 10000], got {self.stream_interval_ms}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError(f"EngineConfig.gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 
 def default_load_processes(device: str) -> int:
     """Adapter loader processes when unset: none on the CPU (the forward is the computation, loader
@@ -17,6 +15,8 @@ def default_load_processes(device: str) -> int:
 
 
 def resolve_device(name: str) -> str:
+    import torch  # here, so that the Triton model file can place an engine without importing torch
+
     if name in ("auto", ""):
         return "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda") and not torch.cuda.is_available():

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import queue
@@ -14,6 +15,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -80,8 +82,12 @@ def eos_token_ids(model_dir: str, cfg: ModelConfig) -> frozenset[int]:
 class Engine:
     """One base model, a catalogue of adapters, a paged KV cache, and the step loop."""
 
-    def __init__(self, config: EngineConfig, *, start: bool = True, observer: EngineObserver | None = None) -> None:
+    def __init__(self, config: EngineConfig, *, start: bool = True, observer: EngineObserver | None = None,
+                 on_iteration: Callable[[], None] | None = None) -> None:
+        """``on_iteration`` runs on the engine thread after each pass of its loop (at least every 50 ms): where an
+        engine in a process of its own sends what the pass emitted (backend/engine_process.py)."""
         self.config = config
+        self._on_iteration = on_iteration
         if config.gil_switch_interval_us > 0:
             sys.setswitchinterval(config.gil_switch_interval_us / 1e6)
         self.observer: EngineObserver = observer or NullObserver()
@@ -309,7 +315,7 @@ class Engine:
         seed = request.sampling.seed if request.sampling.seed is not None else random.getrandbits(63)
         decoder = IncrementalDecoder(self.tokenizer, track_text=bool(request.sampling.stop))
         seq = Sequence(request, emit, decoder, make_generator(seed), self.eos_ids,
-                       self.max_len, spec)
+                       self.max_len, spec, self.config.stream_interval_ms / 1000)
         self._counters["requests"] += 1
         self.observer.request_arrived(seq.adapter)
         self._inbox.put(seq)
@@ -377,6 +383,11 @@ class Engine:
         while not self._stopping.is_set():
             with self._state_lock.iteration():  # stats() reads the pool and the queues between iterations
                 ran = self._iterate()
+            if self._on_iteration is not None:
+                try:
+                    self._on_iteration()
+                except Exception:  # noqa: BLE001 - the loop must go on; the hook's owner sees its own failure
+                    log.error("on_iteration failed:\n%s", traceback.format_exc())
             if ran is None:  # nothing to do
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -384,6 +395,9 @@ class Engine:
                 self._wake.wait(0.002)
                 self._wake.clear()
         self._fail_all("the server is shutting down")
+        if self._on_iteration is not None:
+            with contextlib.suppress(Exception):
+                self._on_iteration()
 
     def _iterate(self) -> bool | None:
         """One pass of the loop: admit what arrived, drop what was cancelled, run a step. None when
@@ -578,15 +592,14 @@ class Engine:
             self.scheduler.remove(seq)
             self._counters["finished"] += 1
             self.observer.request_finished(seq.adapter, len(seq.prompt_ids), len(seq.output_ids),
-                                           seq.finish_reason)
+                                           seq.finish_reason, seq.time_per_output_token())
 
     def _observe_token(self, seq: Sequence) -> None:
         now = time.perf_counter()
-        if seq.last_token_at is None:
+        if seq.first_token_at is None:
+            seq.first_token_at = now
             queue_s = (seq.admitted_at or now) - seq.submitted_at
             self.observer.first_token(seq.adapter, queue_s, now - seq.submitted_at)
-        else:
-            self.observer.next_token(seq.adapter, now - seq.last_token_at)
         seq.last_token_at = now
 
     def _emit(self, seq: Sequence, output: GenerationOutput) -> None:

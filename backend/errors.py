@@ -25,6 +25,9 @@ class RequestError(Exception):
         self.code = code
         self.message = message
 
+    def __reduce__(self):  # crosses the engine process's pipe
+        return (RequestError, (self.code, self.message))
+
 
 class AdapterError(Exception):
     """An adapter that cannot be served; the message names the adapter and the reason."""

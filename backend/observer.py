@@ -1,5 +1,9 @@
 """What the engine reports as it works, for metrics: one callback per event, cheap and non-blocking.
 
+Events are per request (arrival, first token, end, failure) and per adapter load, never per token:
+every histogram observation is a round trip to the Triton server process, so the time between a
+request's tokens is reported once, as its mean, when it ends.
+
 The Triton model file turns these into Prometheus metrics (pb_utils.MetricFamily); tests
 and benchmarks can record them in memory. Callbacks run on the engine thread (and adapter
 loads on the loader threads): they must not block.
@@ -17,9 +21,8 @@ class EngineObserver(Protocol):
 
     def first_token(self, adapter: str | None, queue_s: float, ttft_s: float) -> None: ...
 
-    def next_token(self, adapter: str | None, itl_s: float) -> None: ...
-
-    def request_finished(self, adapter: str | None, prompt_tokens: int, output_tokens: int, reason: str) -> None: ...
+    def request_finished(self, adapter: str | None, prompt_tokens: int, output_tokens: int, reason: str,
+                         time_per_output_token_s: float | None = None) -> None: ...
 
     def adapter_loaded(self, adapter: str, seconds: float) -> None: ...
 
@@ -36,10 +39,8 @@ class NullObserver:
     def first_token(self, adapter: str | None, queue_s: float, ttft_s: float) -> None:
         pass
 
-    def next_token(self, adapter: str | None, itl_s: float) -> None:
-        pass
-
-    def request_finished(self, adapter: str | None, prompt_tokens: int, output_tokens: int, reason: str) -> None:
+    def request_finished(self, adapter: str | None, prompt_tokens: int, output_tokens: int, reason: str,
+                         time_per_output_token_s: float | None = None) -> None:
         pass
 
     def adapter_loaded(self, adapter: str, seconds: float) -> None:

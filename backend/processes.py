@@ -6,8 +6,6 @@ import shutil
 import sys
 from pathlib import Path
 
-import torch
-
 
 def python_for_children() -> str:
     """The interpreter to spawn children with: this one, or (inside Triton's Python backend stub,
@@ -20,6 +18,8 @@ def python_for_children() -> str:
 
 def spawn_context():
     """A spawn multiprocessing context (fork is unsafe in a process with threads and CUDA)."""
+    import torch
+
     ctx = torch.multiprocessing.get_context("spawn")
     ctx.set_executable(python_for_children())
     return ctx

@@ -26,7 +26,7 @@ class Sequence:
 
     def __init__(self, request: GenerationRequest, emit: EmitFn, decoder: IncrementalDecoder,
                  generator: torch.Generator, eos_ids: frozenset[int], max_len: int,
-                 spec: AdapterSpec | None) -> None:
+                 spec: AdapterSpec | None, stream_interval_s: float = 0.0) -> None:
         self.request = request
         self.emit = emit
         self.decoder = decoder
@@ -41,12 +41,22 @@ class Sequence:
         self.num_computed = 0
         self.status = Status.WAITING
         self.released = 0  # output tokens already sent
+        self.stream_interval_s = stream_interval_s  # a streamed request's chunks are at least this far apart
+        self.released_at = 0.0  # when the last chunk was released
         self.finish_reason: str | None = None
         self.stop_at_char: int | None = None  # where a matched stop string begins in the text
         self.submitted_at = time.perf_counter()
         self.admitted_at: float | None = None
+        self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.last_output_at = self.submitted_at  # last output or heartbeat handed to emit
+
+    def time_per_output_token(self) -> float | None:
+        """Mean seconds between this request's output tokens (None with fewer than two)."""
+        n = len(self.output_ids)
+        if n < 2 or self.first_token_at is None or self.last_token_at is None:
+            return None
+        return (self.last_token_at - self.first_token_at) / (n - 1)
 
     @property
     def request_id(self) -> str:
@@ -114,6 +124,8 @@ class Sequence:
         finished = self.finish_reason is not None
         if not finished and not self.request.stream:
             return None
+        if not finished and self.released and time.perf_counter() - self.released_at < self.stream_interval_s:
+            return None  # tokens gather until the interval is over: one response for several tokens
         strip = 0
         if finished:
             n = len(self.output_ids)
@@ -141,6 +153,7 @@ class Sequence:
             adapter_sha256=self.adapter_sha256,
         )
         self.released = n
+        self.released_at = time.perf_counter()
         return chunk
 
     def _tokens_covering(self, char_index: int) -> int:

@@ -90,8 +90,7 @@ def test_observer_records_and_bounds_adapter_labels():
         obs.request_failed(f"random-{i}", "NOT_FOUND")
     assert _value(obs, "manylora_request_errors_total", adapter="other", code="NOT_FOUND") == 1000
     obs.first_token("a", 0.01, 0.2)
-    obs.next_token("a", 0.02)
-    obs.request_finished("a", 7, 3, "length")
+    obs.request_finished("a", 7, 3, "length", 0.02)
     obs.adapter_loaded("a", 0.5)
     assert _value(obs, "manylora_prompt_tokens_total", adapter="a") == 7  # flushes
     assert obs.metric("manylora_time_to_first_token_seconds", adapter="a").observed == [0.2]
@@ -113,8 +112,8 @@ def test_callbacks_make_no_metric_calls_until_the_poller_flushes():
                 real = getattr(metric, op)
                 setattr(metric, op, lambda v, real=real, op=op: (calls.append(op), real(v)))
     engine_thread = threading.Thread(target=lambda: [
-        (obs.request_arrived("a"), obs.first_token("a", 0.01, 0.1), obs.next_token("a", 0.02),
-         obs.request_finished("a", 5, 2, "length")) for _ in range(50)])
+        (obs.request_arrived("a"), obs.first_token("a", 0.01, 0.1),
+         obs.request_finished("a", 5, 2, "length", 0.02)) for _ in range(50)])
     engine_thread.start()
     engine_thread.join()
     assert calls == [] and all(not m.value and not m.observed for f in families for m in f.metrics)
@@ -122,7 +121,7 @@ def test_callbacks_make_no_metric_calls_until_the_poller_flushes():
     gm.StatsPoller(lambda: {}, obs).poll()
     assert _value(obs, "manylora_requests_total", adapter="a") == 50
     assert _value(obs, "manylora_output_tokens_total", adapter="a") == 100
-    assert obs.metric("manylora_inter_token_latency_seconds", adapter="a").observed == [0.02] * 50
+    assert obs.metric("manylora_time_per_output_token_seconds", adapter="a").observed == [0.02] * 50
     # one increment per counter series, not one per event
     assert obs.metric("manylora_requests_total", adapter="a").value == 50
     obs.flush()  # nothing pending: no calls
@@ -212,13 +211,14 @@ def test_metrics_after_known_traffic(server, client, tokenizer):
     sent: dict[str, dict[str, int]] = {}
     for adapter in adapters:
         label = adapter or "base"
-        sent[label] = {"requests": 0, "prompt": 0, "output": 0}
+        sent[label] = {"requests": 0, "prompt": 0, "output": 0, "several": 0}
         for prompt in PROMPTS:
             ids = tokenizer.encode(prompt, add_special_tokens=True).ids
             out = client.generate_ids(ids, adapter=adapter, max_tokens=6)
             sent[label]["requests"] += 1
             sent[label]["prompt"] += len(ids)
             sent[label]["output"] += len(out)
+            sent[label]["several"] += len(out) >= 2  # the requests with a time per output token
     with pytest.raises(Exception, match="nope"):
         client.generate("Hi", adapter="nope", max_tokens=2)
     time.sleep(1.5)
@@ -233,8 +233,8 @@ def test_metrics_after_known_traffic(server, client, tokenizer):
         assert delta("manylora_output_tokens_total", adapter=label) == counts["output"], label
         assert delta("manylora_time_to_first_token_seconds_count", adapter=label) == counts["requests"], label
         assert delta("manylora_queue_time_seconds_count", adapter=label) == counts["requests"], label
-        itl = delta("manylora_inter_token_latency_seconds_count", adapter=label)
-        assert itl == counts["output"] - counts["requests"], (label, itl)
+        tpot = delta("manylora_time_per_output_token_seconds_count", adapter=label)
+        assert tpot == counts["several"], (label, tpot)
         ttft = delta("manylora_time_to_first_token_seconds_sum", adapter=label) / counts["requests"]
         assert 0 < ttft < 30, ttft
     assert delta("manylora_request_errors_total", adapter="other", code="NOT_FOUND") == 1

@@ -30,7 +30,8 @@ FAMILIES: dict[str, tuple[str, str, list[float] | None]] = {
     "manylora_prompt_tokens_total": ("COUNTER", "Prompt tokens of finished requests, by adapter", None),
     "manylora_output_tokens_total": ("COUNTER", "Output tokens of finished requests, by adapter", None),
     "manylora_time_to_first_token_seconds": ("HISTOGRAM", "Submit to first token, by adapter", LATENCY_BUCKETS),
-    "manylora_inter_token_latency_seconds": ("HISTOGRAM", "Time between tokens of a request, by adapter", ITL_BUCKETS),
+    "manylora_time_per_output_token_seconds": ("HISTOGRAM", "Mean time between a request's output tokens, by adapter",
+                                               ITL_BUCKETS),
     "manylora_queue_time_seconds": ("HISTOGRAM", "Submit to first scheduled step, by adapter", LATENCY_BUCKETS),
     "manylora_adapter_load_seconds": ("HISTOGRAM", "Adapter load from disk into the host cache", LOAD_BUCKETS),
     "manylora_adapter_loads_total": ("COUNTER", "Adapter uploads into the GPU pool", None),
@@ -45,7 +46,7 @@ FAMILIES: dict[str, tuple[str, str, list[float] | None]] = {
     "manylora_adapters_refused": ("GAUGE", "Catalogue adapters refused at startup (list_adapters says why)", None),
 }
 PER_ADAPTER = {name for name in FAMILIES if name.startswith(("manylora_request", "manylora_prompt", "manylora_output",
-                                                             "manylora_time_to", "manylora_inter", "manylora_queue"))}
+                                                             "manylora_time_", "manylora_queue"))}
 PER_ADAPTER -= {"manylora_requests_running", "manylora_requests_waiting"}
 # stats() counter -> metric family it advances
 STATS_COUNTERS = {
@@ -179,16 +180,16 @@ class MetricsObserver:
 
         self._safe(record)
 
-    def next_token(self, adapter: str | None, itl_s: float) -> None:
-        self._safe(lambda: self._record("manylora_inter_token_latency_seconds", "observe", max(0.0, float(itl_s)),
-                                        adapter=self.labels(adapter)))
-
-    def request_finished(self, adapter: str | None, prompt_tokens: int, output_tokens: int, reason: str) -> None:
+    def request_finished(self, adapter: str | None, prompt_tokens: int, output_tokens: int, reason: str,
+                         time_per_output_token_s: float | None = None) -> None:
         def record() -> None:
             label = self.labels(adapter)
             prompt, output = int(prompt_tokens), int(output_tokens)
             self._record("manylora_prompt_tokens_total", "increment", prompt, adapter=label)
             self._record("manylora_output_tokens_total", "increment", output, adapter=label)
+            if time_per_output_token_s is not None:
+                self._record("manylora_time_per_output_token_seconds", "observe",
+                             max(0.0, float(time_per_output_token_s)), adapter=label)
 
         self._safe(record)
 

@@ -36,10 +36,8 @@ import triton_python_backend_utils as pb_utils
 from generator_metrics import MetricsObserver, StatsPoller
 from generator_metrics import close as close_metrics
 
-from backend.catalogue import load_catalogue_file
-from backend.config import EngineConfig
 from backend.devices import instance_device
-from backend.engine import Engine
+from backend.engine_process import EngineFailedToStart, EngineLaunch, EngineProcess
 from backend.errors import ErrorCode, RequestError
 from backend.request import GenerationOutput
 from backend.request_parsing import decode_text, parse_control, parse_generation
@@ -81,21 +79,15 @@ def _parameters(parameters: dict) -> dict[str, str]:
     return values
 
 
-def engine_config(parameters: dict, instance_kind: str = "", device_id: str | int | None = None) -> EngineConfig:
-    """config.pbtxt parameters (and the instance's placement) -> EngineConfig; empty values keep the
-    engine's defaults."""
+def engine_launch(parameters: dict, instance_kind: str = "", device_id: str | int | None = None) -> EngineLaunch:
+    """config.pbtxt parameters (and the instance's placement) -> what the engine process is built from; empty
+    values keep the engine's defaults (the engine process reads the catalogue and checks the knobs)."""
     values = _parameters(parameters)
     if not values.get("base_model"):
         raise pb_utils.TritonModelException("generator: parameter 'base_model' (a checkpoint directory) is empty")
-    device = instance_device(values.get("device") or "auto", instance_kind, device_id)
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    # name -> catalogue entry (path, optional pinned sha256), as the engine registers them
-    adapters = load_catalogue_file(values["adapters"]) if values.get("adapters") else {}
     knobs = {k: v for k, v in values.items() if v and k not in NOT_ENGINE_FIELDS}
-    return EngineConfig.from_strings(knobs, model_dir=values["base_model"], adapters=adapters, device=device)
+    return EngineLaunch(model_dir=values["base_model"], catalogue_file=values.get("adapters") or None,
+                        device=instance_device(values.get("device") or "auto", instance_kind, device_id), knobs=knobs)
 
 
 def adapter_label_limit(parameters: dict) -> int:
@@ -121,23 +113,23 @@ class TritonPythonModel:
         with contextlib.suppress(ValueError, AttributeError, RuntimeError):  # not the main thread / no SIGUSR1
             faulthandler.register(signal.SIGUSR1, all_threads=True)
         parameters = json.loads(args["model_config"]).get("parameters", {})
-        config = engine_config(parameters, args.get("model_instance_kind", ""), args.get("model_instance_device_id"))
+        launch = engine_launch(parameters, args.get("model_instance_kind", ""), args.get("model_instance_device_id"))
         self.metrics = self._create_metrics(adapter_label_limit(parameters))
         self.poller: StatsPoller | None = None
-        pb_utils.Logger.log_info(
-            f"generator: starting engine on {config.device} with {len(config.adapters)} adapters "
-            f"(runtime adapter updates {'on' if config.allow_runtime_adapters else 'off'}, "
-            f"custom metrics {'registered' if self.metrics else 'off'})"
-        )
         try:
-            self.engine = Engine(config, observer=self.metrics)
-        except Exception as e:
+            self.engine = EngineProcess(launch, observer=self.metrics)
+        except (EngineFailedToStart, OSError) as e:
             # the message names the adapter (a pinned sha256 that does not match, a bad catalogue entry)
             pb_utils.Logger.log_error(f"generator: engine failed to start: {e}")
             # finalize() does not run after a failed start: drop the metrics in the order the backend needs now
             # (left to the garbage collector, they crashed the stub on its way out)
             close_metrics(self.metrics)
             raise pb_utils.TritonModelException(f"generator: engine failed to start: {e}") from e
+        info = self.engine.info
+        pb_utils.Logger.log_info(
+            f"generator: engine process {info['pid']} serving on {info['device']} ({info['dtype']}) with "
+            f"{info['adapters']} adapters (runtime adapter updates {'on' if info['runtime_adapters'] else 'off'}, "
+            f"custom metrics {'registered' if self.metrics else 'off'})")
         if self.metrics is not None:
             self.poller = StatsPoller(self.engine.stats, self.metrics, 0.5, pb_utils.Logger.log_warn).start()
         self._ids = itertools.count()

@@ -1,0 +1,199 @@
+"""backend.engine_process: the engine in a child process gives exactly what the engine in-process gives, and
+cancellation, refusals, calls, observer events, a failed start and a dead child all behave."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from backend.config import EngineConfig
+from backend.engine import Engine
+from backend.engine_process import EngineFailedToStart, EngineLaunch, EngineProcess
+from backend.errors import ErrorCode, RequestError
+from backend.offline import generate
+from backend.request import GenerationOutput, GenerationRequest, SamplingParams
+from model_factory import make_adapter, make_base
+
+KNOBS = {"max_model_len": "2048", "max_num_seqs": "8"}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine-process")
+    base = make_base(root / "base", "llama", seed=11)
+    adapters = {"a": str(make_adapter(base, root / "a", rank=4, targets=["q_proj", "v_proj"], seed=1)),
+                "b": str(make_adapter(base, root / "b", rank=8, targets=["o_proj", "up_proj"], seed=2))}
+    catalogue = root / "catalogue.json"
+    catalogue.write_text(json.dumps(adapters))
+    return base, adapters, catalogue
+
+
+class Recorder:
+    """An observer that keeps every event."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+        for name in ("request_arrived", "request_failed", "first_token", "request_finished", "adapter_loaded"):
+            setattr(self, name, lambda *args, _name=name: self.events.append((_name, *args)))
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    base, _, catalogue = model
+    recorder = Recorder()
+    process = EngineProcess(EngineLaunch(str(base), str(catalogue), "cpu", KNOBS), observer=recorder)
+    process.recorder = recorder
+    yield process
+    process.shutdown()
+
+
+def _requests(seed: int, n: int) -> list[GenerationRequest]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        params = SamplingParams(max_tokens=rng.randint(1, 20))
+        if rng.random() < 0.5:
+            params = SamplingParams(max_tokens=params.max_tokens, temperature=1.1, top_k=30, seed=rng.randrange(99))
+        out.append(GenerationRequest(f"q{seed}-{i}", [0] + [rng.randrange(4, 290) for _ in range(rng.randint(1, 12))],
+                                     rng.choice([None, "a", "b"]), params, stream=rng.random() < 0.6))
+    return out
+
+
+def test_outputs_equal_the_engine_in_process(model, engine):
+    base, adapters, _ = model
+    seed = random.randrange(2**32)
+    requests = _requests(seed, 16)
+    local = Engine(EngineConfig.from_strings(KNOBS, model_dir=str(base), adapters=adapters, device="cpu"))
+    try:
+        expected = generate(local, requests)
+    finally:
+        local.shutdown()
+    got = generate(engine, requests)
+    for e, g in zip(expected, got, strict=True):
+        assert (g.token_ids, g.finish_reason, g.error) == (e.token_ids, e.finish_reason, None), f"seed {seed}"
+        assert g.chunks[-1].adapter_sha256 == e.chunks[-1].adapter_sha256
+
+
+def test_stream_interval_gathers_tokens_into_fewer_responses(model):
+    base, _, catalogue = model
+    ids = [0, 40, 41, 42]
+    counts = {}
+    for interval in ("0", "10000"):
+        process = EngineProcess(EngineLaunch(str(base), str(catalogue), "cpu",
+                                             {**KNOBS, "stream_interval_ms": interval}))
+        try:
+            [result] = generate(process, [GenerationRequest(f"s{interval}", ids, None,
+                                                            SamplingParams(max_tokens=24, ignore_eos=True))])
+        finally:
+            process.shutdown()
+        assert len(result.token_ids) == 24
+        counts[interval] = [len(c.token_ids) for c in result.chunks]
+    assert len(counts["0"]) >= 10  # a response whenever the text is whole again (mostly one per token)
+    # the first whole piece of text at once, the rest with the end
+    assert len(counts["10000"]) == 2 and counts["10000"][0] == counts["0"][0]
+
+
+def test_refusals_come_back_as_error_outputs_and_are_counted(engine):
+    before = engine.stats()["errors"]
+    [unknown] = generate(engine, [GenerationRequest("u", [0, 5], "nope", SamplingParams(max_tokens=3))])
+    assert unknown.error.code is ErrorCode.NOT_FOUND and "unknown adapter 'nope'" in unknown.error.message
+    engine.count_refusal("a", ErrorCode.INVALID_ARG)
+    deadline = time.monotonic() + 5
+    while engine.stats()["errors"] < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.stats()["errors"] == before + 2
+    assert {a["name"] for a in engine.list_adapters()} == {"a", "b"}
+    with pytest.raises(RequestError) as off:
+        engine.load_adapter("c", "/nowhere")
+    assert off.value.code is ErrorCode.UNSUPPORTED
+
+
+def test_the_observer_hears_the_childs_events(engine):
+    engine.recorder.events.clear()
+    generate(engine, [GenerationRequest("o", [0, 5, 6], "a", SamplingParams(max_tokens=5, ignore_eos=True))])
+    deadline = time.monotonic() + 5
+    while not any(e[0] == "request_finished" for e in engine.recorder.events) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    names = [e[0] for e in engine.recorder.events if e[0] != "request_failed"]  # late ones of the test before
+    assert names[:2] == ["request_arrived", "first_token"] and "request_finished" in names
+    finished = next(e for e in engine.recorder.events if e[0] == "request_finished")
+    assert finished[1:5] == ("a", 3, 5, "length") and finished[5] > 0
+
+
+def test_a_cancelled_flag_here_stops_the_request_there(engine):
+    flag = threading.Event()
+    outputs: list[GenerationOutput] = []
+    done = threading.Event()
+
+    def emit(out: GenerationOutput) -> None:
+        outputs.append(out)
+        if out.finished:
+            done.set()
+
+    engine.submit(GenerationRequest("c", [0, 7], None, SamplingParams(max_tokens=2000, ignore_eos=True), stream=True,
+                                    is_cancelled=flag.is_set), emit)
+    while not outputs:
+        time.sleep(0.005)
+    flag.set()
+    assert done.wait(2.0), "not cancelled within 2 s"
+    assert outputs[-1].error is not None and outputs[-1].error.code is ErrorCode.CANCELLED
+    assert sum(len(o.token_ids) for o in outputs) < 2000
+
+
+def test_a_failed_start_says_why(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(EngineFailedToStart) as failed:
+        EngineProcess(EngineLaunch(str(tmp_path), None, "cpu", {}))
+    assert "config" in str(failed.value).lower() or "tokenizer" in str(failed.value).lower()
+
+
+def test_a_dead_child_fails_what_is_in_flight_and_refuses_more(model):
+    base, _, catalogue = model
+    process = EngineProcess(EngineLaunch(str(base), str(catalogue), "cpu", KNOBS))
+    outputs: list[GenerationOutput] = []
+    done = threading.Event()
+
+    def emit(out: GenerationOutput) -> None:
+        outputs.append(out)
+        if out.finished:
+            done.set()
+
+    process.submit(GenerationRequest("d", [0, 7], None, SamplingParams(max_tokens=2000, ignore_eos=True), stream=True),
+                   emit)
+    while not outputs:
+        time.sleep(0.005)
+    os.kill(process.info["pid"], signal.SIGKILL)
+    assert done.wait(10)
+    assert outputs[-1].error.code is ErrorCode.UNAVAILABLE and "engine process exited" in outputs[-1].error.message
+    with pytest.raises(RequestError) as refused:
+        process.submit(GenerationRequest("e", [0, 7], None, SamplingParams(max_tokens=2)), emit)
+    assert refused.value.code is ErrorCode.UNAVAILABLE
+    with pytest.raises(RequestError):
+        process.stats()
+    process.shutdown()
+
+
+def test_the_parent_side_needs_no_torch(model):
+    """The Triton stub holds only the parent side: it imports neither torch nor the engine."""
+    base, _, catalogue = model
+    code = f"""
+import sys
+sys.modules["torch"] = None  # any import of torch here fails
+from backend.engine_process import EngineLaunch, EngineProcess
+from backend.request import GenerationRequest, SamplingParams
+p = EngineProcess(EngineLaunch({str(base)!r}, {str(catalogue)!r}, "cpu", {KNOBS!r}))
+print(p.stats()["device"])
+p.shutdown()
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "cpu"
