@@ -201,7 +201,7 @@ class EngineProcess:
                 call.done.set()
 
     def _deliver(self, request_id: str, output: GenerationOutput) -> None:
-        with self._live_lock:
+        with self._live_lock:  # a finished request leaves _live before its final output goes (_poll_cancelled)
             entry = self._live.get(request_id)
             if entry is not None and output.finished:
                 del self._live[request_id]
@@ -210,18 +210,25 @@ class EngineProcess:
             entry[0](output)
 
     def _poll_cancelled(self) -> None:
+        """Read each live request's cancellation flag. A flag is read under the lock that _deliver takes to retire
+        a request, so never after the request's final output: reading a Triton sender's flag once its final
+        response is sent touches a freed response factory and crashes the whole server (seen with 2.51)."""
         while not self._stopping.wait(CANCEL_POLL_S):
             with self._live_lock:
-                checks = [(rid, check) for rid, (_, check) in self._live.items()
-                          if check is not None and rid not in self._cancelled]
-            for request_id, check in checks:
-                try:
-                    cancelled = bool(check())
-                except Exception:  # noqa: BLE001 - a broken sender counts as gone
-                    cancelled = True
-                if cancelled:
-                    with self._live_lock:
+                candidates = [rid for rid, (_, check) in self._live.items()
+                              if check is not None and rid not in self._cancelled]
+            for request_id in candidates:
+                with self._live_lock:
+                    entry = self._live.get(request_id)
+                    if entry is None:
+                        continue
+                    try:
+                        cancelled = bool(entry[1]())
+                    except Exception:  # noqa: BLE001 - a broken sender counts as gone
+                        cancelled = True
+                    if cancelled:
                         self._cancelled.add(request_id)
+                if cancelled:
                     try:
                         self.cancel(request_id)
                     except RequestError:
