@@ -63,6 +63,7 @@ class CapacityConfig:
     fresh: bool = False
     server_start_timeout_s: float = 900.0
     merge: list[str] | None = None  # --merge: summarize these stores, measure nothing
+    engine_extra: dict[str, str] = field(default_factory=dict)  # --engine-param KEY=VALUE: more EngineConfig knobs
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.targets) - set(TARGETS)) + sorted(set(self.parts) - set(PARTS))
@@ -89,7 +90,7 @@ class CapacityConfig:
                   "max_model_len": self.request_set.max_model_len}
         if self.max_cpu_loras is not None:
             params["max_cpu_loras"] = self.max_cpu_loras
-        return params
+        return {**params, **self.engine_extra}
 
 
 DEFAULTS: dict[str, dict] = {
@@ -135,6 +136,9 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-loras", type=int)
     p.add_argument("--max-cpu-loras", type=int)
+    p.add_argument("--engine-param", action="append", dest="engine_param", metavar="KEY=VALUE",
+                   help="another EngineConfig knob for the engine and the server alike (repeatable), e.g. "
+                        "stream_interval_ms=0")
     p.add_argument("--targets", type=_names, help=f"comma-separated, of {', '.join(TARGETS)}")
     p.add_argument("--parts", type=_names, help=f"comma-separated, of {', '.join(PARTS)}")
     p.add_argument("--llm", action="store_true", help="also the llm ensemble (text in/out), offline")
@@ -165,6 +169,8 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     out = Path(a.pop("out")) if a.get("out") else None
     merged = a.pop("merge")
     llm = a.pop("llm")
+    extra = a.pop("engine_param") or []
+    a["engine_extra"] = dict(item.split("=", 1) for item in extra) if extra else None
     values = {**DEFAULTS[a["shape"]], **{k: v for k, v in a.items() if v is not None}}
     for key in ("input_range", "output_range"):
         values[key] = tuple(values[key])

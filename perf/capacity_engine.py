@@ -199,7 +199,8 @@ def execute(plan: EnginePlan) -> dict:
 
     save()
     t = time.monotonic()
-    engine = Engine(EngineConfig(model_dir=plan.base_dir, device=device, **plan.engine))
+    knobs = {k: str(v) for k, v in plan.engine.items()}  # as the server's config.pbtxt gives them
+    engine = Engine(EngineConfig.from_strings(knobs, model_dir=plan.base_dir, device=device))
     catalogue = json.loads(Path(plan.catalogue).read_text())
     errors = engine.catalogue.register_all(catalogue, strict=False, workers=max(4, os.cpu_count() or 4))
     if errors:
