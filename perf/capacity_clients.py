@@ -127,8 +127,10 @@ def build_request(pb, request_id: str, spec: SendSpec, run: RunSpec):
         output = "text_output"
     add("max_tokens", "INT32", [1, 1], np.asarray([spec.output_len], dtype="<i4").tobytes())
     add("stream", "BOOL", [1, 1], np.asarray([run.stream], dtype=np.bool_).tobytes())
-    if run.ignore_eos:
+    if run.ignore_eos and run.model == "generator":
         add("ignore_eos", "BOOL", [1, 1], np.asarray([True], dtype=np.bool_).tobytes())
+    elif run.ignore_eos:  # the ensemble has no ignore_eos input: the vLLM backend's form of it
+        r.parameters["sampling_parameters"].string_param = '{"ignore_eos": true}'
     if spec.adapter:
         add("lora_name", "BYTES", [1, 1], _bytes_element(spec.adapter))
     r.outputs.add().name = output

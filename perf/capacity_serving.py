@@ -98,8 +98,8 @@ class ServerPart:
         try:
             driver.run(probe, cap_s=120, keep_ids=False)
         except ServerLacksIgnoreEos:
-            self.call.skip("llm: the ensemble has no ignore_eos input, so its output lengths would not match the "
-                           "other targets'; not measured")
+            self.call.skip("llm: the server refused ignore_eos, so its output lengths would not match the other "
+                           "targets'; not measured")
             return None
         return driver
 
