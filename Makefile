@@ -29,6 +29,7 @@ NUM_KV_PAGES           ?=
 GPU_MEMORY_FRACTION    ?=
 MAX_QUEUE_SIZE         ?=
 TENSOR_PARALLEL_SIZE   ?=
+STREAM_INTERVAL_MS     ?=
 
 ENGINE_PARAMS := \
   --param device=$(DEVICE) --param dtype=$(DTYPE) --param max_lora_rank=$(MAX_LORA_RANK) \
@@ -36,7 +37,7 @@ ENGINE_PARAMS := \
   --param max_num_batched_tokens=$(MAX_NUM_BATCHED_TOKENS) --param max_model_len=$(MAX_MODEL_LEN) \
   --param page_size=$(PAGE_SIZE) --param num_kv_pages=$(NUM_KV_PAGES) \
   --param gpu_memory_fraction=$(GPU_MEMORY_FRACTION) --param max_queue_size=$(MAX_QUEUE_SIZE) \
-  --param tensor_parallel_size=$(TENSOR_PARALLEL_SIZE)
+  --param tensor_parallel_size=$(TENSOR_PARALLEL_SIZE) --param stream_interval_ms=$(STREAM_INTERVAL_MS)
 
 # With BASE_MODEL given, the embedded default is neither built nor used.
 ifeq ($(strip $(BASE_MODEL)),)

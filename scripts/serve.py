@@ -41,6 +41,7 @@ ENGINE_PARAMS = (
     "gpu_memory_fraction",
     "max_queue_size",
     "tensor_parallel_size",
+    "stream_interval_ms",
 )
 # config.pbtxt parameters of the generator model file itself, not EngineConfig fields
 MODEL_PARAMS = ("metrics_adapter_labels",)
