@@ -22,6 +22,7 @@ from pathlib import Path
 from perf.capacity_metrics import UNFINISHED, digest
 from perf.capacity_requests import RequestSetConfig, ScheduledRequest, build_requests
 from perf.capacity_runs import Budget, RunOutcome, SweepConfig, measure_offline, measure_sweep_point, new_record
+from perf.engine_target import wait_idle
 
 TARGET = "engine"
 
@@ -141,16 +142,8 @@ class EngineDriver:
             if keep_ids:
                 rec.output_ids = got
         if not finished:
-            self._wait_idle(60.0)
+            wait_idle(self.engine, 60.0)
         return RunOutcome(records=records, end_s=end, capped=not finished)
-
-    def _wait_idle(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            stats = self.engine.stats()
-            if stats["running"] == 0 and stats["waiting"] == 0:
-                return
-            time.sleep(0.05)
 
 
 def warm_up(engine) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import subprocess
 import time
 import urllib.error
@@ -28,17 +27,6 @@ def load_serve_module():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def _get(url: str, timeout: float = 2.0) -> bytes | None:
@@ -106,7 +94,7 @@ class TritonServer:
         cfg.log.parent.mkdir(parents=True, exist_ok=True)
         repository = serve.render_repository(cfg.base_dir, cfg.catalogue, cfg.work_dir / "model_repository", cfg.params)
         serve.install_stub()
-        self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
+        self.http_port, self.grpc_port, self.metrics_port = serve.free_ports(3)
         command = serve.server_command(repository, self.http_port, self.grpc_port, self.metrics_port)
         env = {k: v for k, v in os.environ.items() if k != "MANYLORA_ALLOW_RUNTIME_ADAPTERS"}
         t0 = time.monotonic()

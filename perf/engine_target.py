@@ -45,9 +45,15 @@ class EngineTarget:
     def close(self, timeout: float = 60.0) -> None:
         """Cancel what is still running (a capped replay) and wait until the engine is idle."""
         self._closed.set()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            stats = self.engine.stats()
-            if stats["running"] == 0 and stats["waiting"] == 0:
-                return
-            time.sleep(0.05)
+        wait_idle(self.engine, timeout)
+
+
+def wait_idle(engine, timeout: float) -> bool:
+    """Wait until the engine runs and queues nothing (at most ``timeout`` s); whether it did."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = engine.stats()
+        if stats["running"] == 0 and stats["waiting"] == 0:
+            return True
+        time.sleep(0.05)
+    return False

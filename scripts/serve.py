@@ -20,6 +20,7 @@ import os
 import re
 import secrets
 import shutil
+import socket
 import sys
 import sysconfig
 from dataclasses import fields
@@ -222,6 +223,18 @@ def server_command(
         *(restrictions or []),
         *(extra or []),
     ]
+
+
+def free_ports(n: int, address: str = "127.0.0.1") -> list[int]:
+    """``n`` ports free on ``address`` now (for servers started side by side: tests, benchmarks)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind((address, 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def parse_params(items: list[str]) -> dict[str, str]:

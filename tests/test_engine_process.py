@@ -67,6 +67,19 @@ def _requests(seed: int, n: int) -> list[GenerationRequest]:
     return out
 
 
+def _collector():
+    """A list of a request's outputs, an event set at its last, and the emit that fills both."""
+    outputs: list[GenerationOutput] = []
+    done = threading.Event()
+
+    def emit(out: GenerationOutput) -> None:
+        outputs.append(out)
+        if out.finished:
+            done.set()
+
+    return outputs, done, emit
+
+
 def test_outputs_equal_the_engine_in_process(model, engine):
     base, adapters, _ = model
     seed = random.randrange(2**32)
@@ -130,14 +143,7 @@ def test_the_observer_hears_the_childs_events(engine):
 
 def test_a_cancelled_flag_here_stops_the_request_there(engine):
     flag = threading.Event()
-    outputs: list[GenerationOutput] = []
-    done = threading.Event()
-
-    def emit(out: GenerationOutput) -> None:
-        outputs.append(out)
-        if out.finished:
-            done.set()
-
+    outputs, done, emit = _collector()
     engine.submit(GenerationRequest("c", [0, 7], None, SamplingParams(max_tokens=2000, ignore_eos=True), stream=True,
                                     is_cancelled=flag.is_set), emit)
     while not outputs:
@@ -158,14 +164,7 @@ def test_a_failed_start_says_why(tmp_path):
 def test_a_dead_child_fails_what_is_in_flight_and_refuses_more(model):
     base, _, catalogue = model
     process = EngineProcess(EngineLaunch(str(base), str(catalogue), "cpu", KNOBS))
-    outputs: list[GenerationOutput] = []
-    done = threading.Event()
-
-    def emit(out: GenerationOutput) -> None:
-        outputs.append(out)
-        if out.finished:
-            done.set()
-
+    outputs, done, emit = _collector()
     process.submit(GenerationRequest("d", [0, 7], None, SamplingParams(max_tokens=2000, ignore_eos=True), stream=True),
                    emit)
     while not outputs:

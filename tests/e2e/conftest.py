@@ -12,7 +12,6 @@ import importlib.util
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -127,17 +126,6 @@ def _get(url: str) -> bool:
         return False
 
 
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def embedded_model() -> Path:
     given = os.environ.get("MANYLORA_E2E_MODEL")
     if given:
@@ -176,7 +164,7 @@ def start_server(
     params = {"max_model_len": str(MAX_MODEL_LEN), **(params or {})}
     repository = serve.render_repository(model_dir / "base", catalogue_file, work / "model_repository", params)
     serve.install_stub()
-    http_port, grpc_port, metrics_port = free_ports(3)
+    http_port, grpc_port, metrics_port = serve.free_ports(3)
     key = secrets.token_urlsafe(16)
     command = serve.server_command(repository, http_port, grpc_port, metrics_port,
                                    restrictions=serve.restriction_flags(key, open_apis))

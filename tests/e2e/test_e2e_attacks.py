@@ -70,22 +70,7 @@ class Tools:
         return json.loads(body)["error"]
 
     def stream_error(self, model: str, inputs: dict[str, np.ndarray], parameters: dict | None = None) -> str | None:
-        """The error of one gRPC stream request (None if it finished without one)."""
-        results: queue.Queue = queue.Queue()
-        grpc = grpcclient.InferenceServerClient(self.server.grpc_url)
-        grpc.start_stream(callback=lambda result, error: results.put((result, error)))
-        try:
-            grpc.async_stream_infer(model, [_tensor(name, array) for name, array in inputs.items()],
-                                    parameters=parameters, enable_empty_final_response=True)
-            while True:
-                result, error = results.get(timeout=120)
-                if error is not None:
-                    return error.message()
-                if result.get_response().parameters["triton_final_response"].bool_param:
-                    return None
-        finally:
-            grpc.stop_stream()
-            grpc.close()
+        return stream_error(self.server, model, [_tensor(name, array) for name, array in inputs.items()], parameters)
 
     def in_flight(self) -> int:
         stats = self.client.stats()
@@ -98,6 +83,24 @@ class Tools:
             assert time.monotonic() - start < within, f"requests still in the engine after {within} s"
             time.sleep(0.02)
         return time.monotonic() - start
+
+
+def stream_error(server, model: str, inputs: list, parameters: dict | None = None) -> str | None:
+    """The error message of one gRPC stream request (None if it finished without one)."""
+    results: queue.Queue = queue.Queue()
+    grpc = grpcclient.InferenceServerClient(server.grpc_url)
+    grpc.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        grpc.async_stream_infer(model, inputs, parameters=parameters, enable_empty_final_response=True)
+        while True:
+            result, error = results.get(timeout=120)
+            if error is not None:
+                return error.message()
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return None
+    finally:
+        grpc.stop_stream()
+        grpc.close()
 
 
 def _tensor(name: str, array: np.ndarray):

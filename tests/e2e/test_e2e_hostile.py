@@ -4,12 +4,12 @@ alongside finish with the right output, and the server stays ready."""
 from __future__ import annotations
 
 import json
-import queue
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from test_e2e_attacks import stream_error
 
 from client import ManyLoraError
 
@@ -22,24 +22,6 @@ def _input(name: str, array: np.ndarray, dtype: str):
     tensor = grpcclient.InferInput(name, list(array.shape), dtype)
     tensor.set_data_from_numpy(array)
     return tensor
-
-
-def _error_of(server, model: str, inputs: list) -> str | None:
-    """The error message of one streamed request (None if it finished without one)."""
-    results: queue.Queue = queue.Queue()
-    grpc = grpcclient.InferenceServerClient(server.grpc_url)
-    grpc.start_stream(callback=lambda result, error: results.put((result, error)))
-    try:
-        grpc.async_stream_infer(model, inputs, enable_empty_final_response=True)
-        while True:
-            result, error = results.get(timeout=120)
-            if error is not None:
-                return error.message()
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                return None
-    finally:
-        grpc.stop_stream()
-        grpc.close()
 
 
 def _ids(tokens: list[int]) -> np.ndarray:
@@ -56,28 +38,28 @@ def _hostile(server, tokenizer) -> dict:
                                                                "max_tokens": 4}),
             ["context"]),
         "invalid UTF-8 text_input": (
-            lambda: _error_of(server, "llm", [_input("text_input", np.array([[b"\xff\xfe caf\xc3"]], np.object_),
+            lambda: stream_error(server, "llm", [_input("text_input", np.array([[b"\xff\xfe caf\xc3"]], np.object_),
                                                      "BYTES"), max4]), ["UTF-8"]),
         "huge max_tokens": (
             lambda: server.post("/v2/models/llm/generate", {"text_input": PROMPT, "max_tokens": 2**31 - 1}),
             ["max_tokens"]),
         "NaN temperature": (
-            lambda: _error_of(server, "generator", [_input("input_ids", _ids(ids), "INT32"), max4,
+            lambda: stream_error(server, "generator", [_input("input_ids", _ids(ids), "INT32"), max4,
                                                     one("temperature", np.nan, "FP32", np.float32)]),
             ["temperature"]),
         "invalid UTF-8 lora_name": (
-            lambda: _error_of(server, "generator", [_input("input_ids", _ids(ids), "INT32"), max4,
+            lambda: stream_error(server, "generator", [_input("input_ids", _ids(ids), "INT32"), max4,
                                                     one("lora_name", b"sh\xc3", "BYTES", np.object_)]),
             ["lora_name", "UTF-8"]),
         "oversized stop list": (
-            lambda: _error_of(server, "generator", [_input("input_ids", _ids(ids), "INT32"), max4,
+            lambda: stream_error(server, "generator", [_input("input_ids", _ids(ids), "INT32"), max4,
                                                     _input("stop", np.array([[b"x"] * 500], np.object_), "BYTES")]),
             ["stop"]),
         "token id outside the vocabulary": (
-            lambda: _error_of(server, "generator", [_input("input_ids", _ids([0, 2**31 - 1]), "INT32"), max4]),
+            lambda: stream_error(server, "generator", [_input("input_ids", _ids([0, 2**31 - 1]), "INT32"), max4]),
             ["vocabulary"]),
         "bad control JSON": (
-            lambda: _error_of(server, "generator", [one("control", b"{not json", "BYTES", np.object_)]),
+            lambda: stream_error(server, "generator", [one("control", b"{not json", "BYTES", np.object_)]),
             ["control"]),
     }
 
