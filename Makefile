@@ -70,7 +70,7 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 default-model: venv
-	$(PY) -m backend.embedded.build --out $(DEFAULT_DIR)
+	$(PY) -m manylora.embedded.build --out $(DEFAULT_DIR)
 
 serve: venv $(SERVE_DEPS)
 	$(PY) scripts/serve.py $(SERVE_MODEL) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \

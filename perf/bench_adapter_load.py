@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
-from backend.adapter import STAMP_MIN_AGE_S, parse_adapter_spec
-from backend.adapter_packing import pack_adapter
-from backend.adapter_weights import load_adapter_weights, map_file
-from backend.host_cache import HostAdapterCache
-from backend.model_config import ModelConfig
-from backend.unified_pool import page_bytes
+from manylora.engine.adapters.host_cache import HostAdapterCache
+from manylora.engine.adapters.packing import pack_adapter
+from manylora.engine.adapters.spec import STAMP_MIN_AGE_S, parse_adapter_spec
+from manylora.engine.adapters.weights import load_adapter_weights, map_file
+from manylora.engine.memory.unified_pool import page_bytes
+from manylora.engine.model_config import ModelConfig
 from perf.checkpoint import SHAPES, write_adapter, write_config
 
 

@@ -8,7 +8,8 @@ the unified pool lays them out), ``batch`` sequences of ``seq`` tokens each in s
 timed at every ``--splits`` count with ``triton.testing.do_bench_cudagraph`` (median; the merge kernel included
 where splits > 1), every timed call reading the next of enough (page set, layer) pairs that the L2 cache (50 MB)
 cannot hold them between repetitions. Printed per case: the one-pass kernel's time, the split count
-``kernels.paged_attention.attention_splits`` picks and its time, the best count's, and the KV bytes over the time
+``manylora.kernels.paged_attention.attention_splits`` picks and its time, the best count's, and the KV bytes over the
+time
 against the device-to-device copy bandwidth measured in the same run. Results go to ``--out`` as JSON lines
 (default ``$OUT/bench_attention.jsonl`` when OUT is set); the table is printed last.
 """
@@ -24,7 +25,7 @@ import torch
 import triton
 import triton.testing
 
-from kernels.paged_attention import attention_config, attention_splits, paged_decode_attention
+from manylora.kernels.paged_attention import attention_config, attention_splits, paged_decode_attention
 from perf.bench_kernels import copy_bandwidth, cycling
 
 NUM_LAYERS, PAGE, NUM_KV_HEADS, GROUP, HEAD_DIM = 32, 16, 8, 4, 128

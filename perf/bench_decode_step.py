@@ -4,7 +4,7 @@
 
 Random bf16 weights made on the GPU, adapters of one rank on all 7 projections resident in the
 unified pool, a batch of sequences with `context` tokens of random KV each; the decode step is
-replayed from the engine's CUDA graph (backend/cuda_graphs.py) and timed with CUDA events. The
+replayed from the engine's CUDA graph (manylora/engine/execution/cuda_graphs.py) and timed with CUDA events. The
 floor is (base weights a step reads + distinct adapters' weights + the batch's KV) / the device-to-device
 copy bandwidth measured in the same run (bytes read + written / time). The base weights a step reads are all of
 them but the embedding table of an untied model, of which it reads the batch's rows only (before 2026-12-01's
@@ -23,18 +23,18 @@ from pathlib import Path
 
 import torch
 
-from backend import lora_batch
-from backend.adapter import AdapterSpec
-from backend.adapter_packing import PackedAdapter, _layout
-from backend.adapter_pool import AdapterPool
-from backend.config import BASE_GEMMS, DECODE_BLAS, EngineConfig, check_decode_form_name
-from backend.cuda_graphs import DecodeGraphs, DecodeInputs
-from backend.decode_gemms import MEASURED_SMS, parse_carveout, sm_carveout_for
-from backend.kv_cache import PagedKVCache
-from backend.model_config import PROJECTIONS, ModelConfig
-from backend.models.llama import AUTO_TRITON_MAX_ROWS, LlamaModel, weight_names
-from backend.unified_pool import UnifiedPool
-from kernels import paged_attention
+from manylora.engine.adapters.packing import PackedAdapter, _layout
+from manylora.engine.adapters.spec import AdapterSpec
+from manylora.engine.config import BASE_GEMMS, DECODE_BLAS, EngineConfig, check_decode_form_name
+from manylora.engine.layers import lora_batch
+from manylora.engine.execution.cuda_graphs import DecodeGraphs, DecodeInputs
+from manylora.engine.layers.decode_gemms import MEASURED_SMS, parse_carveout, sm_carveout_for
+from manylora.engine.memory.adapter_slots import AdapterPool
+from manylora.engine.memory.kv_cache import PagedKVCache
+from manylora.engine.memory.unified_pool import UnifiedPool
+from manylora.engine.model_config import PROJECTIONS, ModelConfig
+from manylora.engine.models.llama import AUTO_TRITON_MAX_ROWS, LlamaModel, weight_names
+from manylora.kernels import paged_attention
 from perf.shapes import SHAPES
 from perf.stream_timeline import KernelEvent, format_split, kernel_events, split_step_time
 
@@ -202,11 +202,11 @@ def main() -> None:
                          "it, from the same point (after: the GEMM launched first; LoraBatch.fork); comma-separated: "
                          "each in turn")
     ap.add_argument("--attention-splits", default="auto",
-                    help="comma-separated: auto (kernels.paged_attention.attention_splits' choice) and/or split counts "
+                    help="comma-separated: auto (paged_attention.attention_splits' choice) and/or split counts "
                          "of the paged decode attention (1: one pass, never split)")
     ap.add_argument("--base-gemm", default="torch",
                     help="the base layers' GEMMs and the LM head (EngineConfig.base_gemm): torch (cuBLAS) or triton "
-                         "(kernels/skinny_gemm.py, split-K); comma-separated: each in turn")
+                         "(manylora/kernels/skinny_gemm.py, split-K); comma-separated: each in turn")
     ap.add_argument("--blas", default=ENGINE_DEFAULTS.decode_gemm_blas,
                     help="the cuBLAS interface of the captured step's base GEMMs (EngineConfig.decode_gemm_blas): "
                          "cublas or cublaslt; comma-separated: each in turn")

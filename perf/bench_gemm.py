@@ -1,4 +1,4 @@
-"""The base layers' GEMMs at decode batch sizes: kernels/skinny_gemm.py against F.linear (cuBLAS) (not a test).
+"""The base layers' GEMMs at decode batch sizes: manylora/kernels/skinny_gemm.py against F.linear (cuBLAS) (not a test).
 
     PYTHONPATH=. python perf/bench_gemm.py [--rows 1,16,64,128] [--sweep] [--rep-ms 5] [--out PATH]
         [--blas cublas|cublaslt] [--sm-carveout N]
@@ -8,7 +8,8 @@ x of ``rows`` tokens. Each GEMM is timed with ``triton.testing.do_bench_cudagrap
 copies of the weight (>= 256 MB) that the L2 cache (50 MB) cannot hold it between repetitions, and reported against
 its bytes floor (weight + x + output at the device-to-device copy bandwidth measured at the start of the run).
 ``--sweep`` also times a grid of block sizes, K splits and pipeline depths at each (shape, rows) and prints the best
-against the launcher's heuristic (``kernels.skinny_gemm.gemm_config``); every config's time goes to the record's
+against the launcher's heuristic (``manylora.kernels.skinny_gemm.gemm_config``); every config's time goes to the
+record's
 ``sweep`` list, fastest first. Results go to ``--out`` as JSON lines
 (default ``$OUT/bench_gemm.jsonl`` when OUT is set); a table is printed last.
 """
@@ -26,8 +27,8 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
-from backend.model_config import ModelConfig
-from kernels.skinny_gemm import gemm_config, skinny_linear
+from manylora.engine.model_config import ModelConfig
+from manylora.kernels.skinny_gemm import gemm_config, skinny_linear
 from perf.bench_kernels import copy_bandwidth, cycling
 from perf.shapes import SHAPES
 

@@ -37,11 +37,11 @@ import torch
 import triton
 import triton.testing
 
-from kernels.lora_config import bgmv_tile_expand_config, expand_config, shrink_config
-from kernels.lora_expand import lora_expand
-from kernels.lora_meta import build_segments, build_segments_on_device, sgmv_block_m
-from kernels.lora_shrink import lora_shrink
-from kernels.paged_attention import paged_decode_attention
+from manylora.kernels.lora_config import bgmv_tile_expand_config, expand_config, shrink_config
+from manylora.kernels.lora_expand import lora_expand
+from manylora.kernels.lora_meta import build_segments, build_segments_on_device, sgmv_block_m
+from manylora.kernels.lora_shrink import lora_shrink
+from manylora.kernels.paged_attention import paged_decode_attention
 
 MODULES = {  # name: (in_features, widths of the slices sharing the input)
     "qkv": (4096, (4096, 1024, 1024)),

@@ -7,8 +7,8 @@ w13 (one slice over gate+up) and w2 of every expert, 32 adapter slots resident i
 For each batch of 1/16/64/256 tokens with 1/8/32 distinct adapters (round-robin over tokens), the
 median time (triton.testing.do_bench) of:
 
-  (a) fused MoE without LoRA                   kernels.fused_moe.fused_moe
-  (b) fused MoE-LoRA                           kernels.fused_moe_lora.fused_moe_lora_forward
+  (a) fused MoE without LoRA                   manylora.kernels.fused_moe.fused_moe
+  (b) fused MoE-LoRA                           manylora.kernels.fused_moe_lora.fused_moe_lora_forward
   (c) unfused: the same base grouped GEMMs, then the LoRA per expert in a Python loop over the
       experts present (torch gathers + bmm per expert, delta13 before the activation, delta2
       before the routing-weighted sum)
@@ -26,9 +26,9 @@ import time
 import torch
 import triton.testing
 
-from kernels.fused_moe import fused_moe, fused_moe_gemm, moe_gemm_config, moe_reduce, silu_and_mul
-from kernels.fused_moe_lora import MoeLora, fused_moe_lora_forward
-from kernels.moe_align import moe_align_block_size
+from manylora.kernels.fused_moe import fused_moe, fused_moe_gemm, moe_gemm_config, moe_reduce, silu_and_mul
+from manylora.kernels.fused_moe_lora import MoeLora, fused_moe_lora_forward
+from manylora.kernels.moe_align import moe_align_block_size
 
 NUM_LAYERS = 48
 E, TOP_K, HIDDEN, INTER, RANK, SLOTS = 128, 8, 2048, 768, 16, 32

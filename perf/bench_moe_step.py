@@ -3,7 +3,7 @@
     python -m perf.bench_moe_step                       # Qwen3-30B-A3B shape, on the GPU
     python -m perf.bench_moe_step --shape tiny --device cpu --batches 2 --adapters 1 2   # smoke test
 
-Builds the MoE model (backend.models.moe.MoeModel) from random bf16 weights directly on the
+Builds the MoE model (manylora.engine.models.moe.MoeModel) from random bf16 weights directly on the
 device (48 layers, 128 experts, top-8, hidden 2048, expert MLP 768, 32/4 heads of 128 for the
 Qwen3-30B-A3B shape), a unified pool, and ``max(adapters)`` synthetic rank-16 adapters resident in
 it (q/k/v/o of every layer and both expert parameters of every expert; random values). For each
@@ -12,8 +12,8 @@ distinct adapters (round-robin over the tokens) it times one eager forward step 
 triton.testing.do_bench) of:
 
   (a) the model without LoRA
-  (b) fused: the engine's kernel path (kernels.fused_moe_lora for the experts and their LoRA)
-  (c) unfused: the same grouped expert GEMMs (kernels.fused_moe), then each expert's LoRA delta in
+  (b) fused: the engine's kernel path (manylora.kernels.fused_moe_lora for the experts and their LoRA)
+  (c) unfused: the same grouped expert GEMMs (manylora.kernels.fused_moe), then each expert's LoRA delta in
       torch, expert by expert (LoraBatch.apply_expert: the engine's own per-expert code)
 
 and prints step times, b/a, c/b, max |logits(b) - logits(c)| (the two LoRA paths agree) and
@@ -35,16 +35,16 @@ from pathlib import Path
 
 import torch
 
-from backend.adapter_packing import _layout
-from backend.adapter_pool import AdapterPool
-from backend.kv_cache import PagedKVCache
-from backend.lora_batch import LoraBatch
-from backend.model_config import ModelConfig
-from backend.models.moe import MoeLayerWeights, MoeModel
-from backend.sizing import synthetic_spec
-from backend.step_batch import DecodeRows, StepBatch
-from backend.unified_pool import UnifiedPool, page_elements
-from backend.warmup import synthetic_adapter
+from manylora.engine.adapters.packing import _layout
+from manylora.engine.execution.warmup import synthetic_adapter
+from manylora.engine.layers.lora_batch import LoraBatch
+from manylora.engine.layers.step_batch import DecodeRows, StepBatch
+from manylora.engine.memory.adapter_slots import AdapterPool
+from manylora.engine.memory.kv_cache import PagedKVCache
+from manylora.engine.memory.sizing import synthetic_spec
+from manylora.engine.memory.unified_pool import UnifiedPool, page_elements
+from manylora.engine.model_config import ModelConfig
+from manylora.engine.models.moe import MoeLayerWeights, MoeModel
 
 
 @dataclass(frozen=True)
@@ -123,11 +123,11 @@ def synthetic_adapters(pool: UnifiedPool, count: int, rank: int, device: str) ->
 
 
 def unfused_experts(model: MoeModel):
-    """A replacement for MoeModel._fused_experts: the grouped expert GEMMs of kernels.fused_moe, with each
+    """A replacement for MoeModel._fused_experts: the grouped expert GEMMs of manylora.kernels.fused_moe, with each
     expert's LoRA delta added in torch between them (gate_up before the activation, down before the
     routing-weighted sum)."""
-    from kernels.fused_moe import fused_moe_gemm, moe_gemm_config, moe_reduce, silu_and_mul
-    from kernels.moe_align import moe_align_block_size
+    from manylora.kernels.fused_moe import fused_moe_gemm, moe_gemm_config, moe_reduce, silu_and_mul
+    from manylora.kernels.moe_align import moe_align_block_size
 
     cfg = model.cfg
     E, K, H, inter = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
@@ -208,7 +208,7 @@ def timer(device: str):
 
 def graphed(fn) -> tuple:
     """(replay, output): fn captured in a CUDA graph after two warm-up calls on a side stream (as
-    backend/cuda_graphs.py captures decode steps); output is the tensor each replay rewrites."""
+    manylora/engine/execution/cuda_graphs.py captures decode steps); output is the tensor each replay rewrites."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

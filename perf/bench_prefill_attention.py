@@ -18,8 +18,8 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from backend.prefill_attention import attend, attend_each, build_groups
-from backend.step_batch import SequenceSlice
+from manylora.engine.layers.prefill_attention import attend, attend_each, build_groups
+from manylora.engine.layers.step_batch import SequenceSlice
 
 
 class OpCounter(TorchDispatchMode):

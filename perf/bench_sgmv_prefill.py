@@ -1,7 +1,7 @@
 """GPU timings of the segmented (SGMV, prefill) LoRA kernels at prefill sizes, against the base GEMM.
 
     PYTHONPATH=. python perf/bench_sgmv_prefill.py --out $OUT/sgmv.json
-    PYTHONPATH=/tmp/old:. python perf/bench_sgmv_prefill.py --out $OUT/sgmv_old.json   # another kernels/
+    PYTHONPATH=/tmp/old:. python perf/bench_sgmv_prefill.py --out $OUT/sgmv_old.json   # another manylora/kernels/
     python perf/bench_sgmv_prefill.py --compare $OUT/sgmv_old.json $OUT/sgmv.json
 
 One Llama-3-8B layer's four LoRA groups (q/k/v, o, gate/up, down; bf16, rank 16) for prefill steps
@@ -13,8 +13,8 @@ base GEMM us, LoRA / base, and the multiple of the bytes floor (x, the output re
 the adapters' rows, at the copy bandwidth measured in the same run). ``--sweep`` also times a few
 block configurations of each kernel at T=4096 and reports the fastest.
 
-``kernels`` is imported from the first entry of ``sys.path`` that has it, so the same script
-times a previous commit's kernels (a copy of its ``kernels/`` put first on PYTHONPATH);
+``manylora.kernels`` is imported from the first entry of ``sys.path`` that has it, so the same script
+times a previous commit's kernels (a copy of its ``manylora/kernels/`` put first on PYTHONPATH);
 ``--compare`` prints the two runs side by side.
 """
 
@@ -62,7 +62,7 @@ def step_slots(num_tokens: int, distinct: int, rng: random.Random) -> torch.Tens
 
 class Case:
     def __init__(self, group: str, num_tokens: int, distinct: int, seed: int) -> None:
-        from kernels.lora_meta import build_segments
+        from manylora.kernels.lora_meta import build_segments
 
         in_f, widths = GROUPS[group]
         self.in_f, self.widths, self.ns = in_f, widths, len(widths)
@@ -94,8 +94,8 @@ class Case:
                             + distinct * per * 2)
 
     def lora(self, shrink_cfg=None, expand_cfg=None) -> None:
-        from kernels.lora_expand import lora_expand
-        from kernels.lora_shrink import lora_shrink
+        from manylora.kernels.lora_expand import lora_expand
+        from manylora.kernels.lora_shrink import lora_shrink
 
         lora_shrink(self.x, self.pool, self.a_offs, self.ranks, self.slots, self.y, segments=self.segments,
                     config=shrink_cfg)
@@ -114,8 +114,8 @@ SWEEP_GROUPS = ("qkv", "gate_up")
 
 
 def run(out_path: str, sweep: bool) -> None:
-    import kernels
-    import kernels.lora_meta
+    import manylora.kernels
+    import manylora.kernels.lora_meta
 
     bw = copy_bandwidth()
     rows = []
@@ -131,12 +131,12 @@ def run(out_path: str, sweep: bool) -> None:
                       f"{base_us:8.1f} us, LoRA/base {lora_us / base_us:5.2f}, {lora_us / r['floor_us']:5.2f}x floor",
                       flush=True)
     swept = []
-    if sweep and not hasattr(kernels.lora_meta.SegmentMeta, "tiles"):
+    if sweep and not hasattr(manylora.kernels.lora_meta.SegmentMeta, "tiles"):
         print("no sweep: these kernels predate the tile tables")
     elif sweep:
         for group in SWEEP_GROUPS:
             case = Case(group, 4096, 8, seed=7)
-            from kernels.lora_config import shrink_config
+            from manylora.kernels.lora_config import shrink_config
 
             for block_m in (32, 64, 128):  # tile tables built before the graph capture
                 case.segments.tiles(block_m)
@@ -164,7 +164,7 @@ def run(out_path: str, sweep: bool) -> None:
                 for s in best:
                     print(f"   {kind}: {s['us']:.1f} us with {s['cfg']}")
     with open(out_path, "w") as f:
-        json.dump(dict(kernels=kernels.__file__, copy_bandwidth=bw, rows=rows, sweep=swept), f)
+        json.dump(dict(kernels=manylora.kernels.__file__, copy_bandwidth=bw, rows=rows, sweep=swept), f)
 
 
 def compare(old_path: str, new_path: str) -> None:

@@ -8,7 +8,7 @@ One machine, one process tree, the same requests for every target (perf/capacity
 same prompt token ids, output lengths and adapter per request; greedy; ignore_eos, so every request
 gets exactly its output length). Targets:
 
-- ``engine``: backend.engine.Engine in a child process (perf/capacity_engine.py);
+- ``engine``: manylora.engine.scheduling.engine.Engine in a child process (perf/capacity_engine.py);
 - ``server_stream`` / ``server_nostream``: the real tritonserver (started here through
   scripts/serve.py's helpers, perf/capacity_server.py; its part of a call: perf/capacity_serving.py)
   and its ``generator`` model with ``stream`` true / false, over gRPC ModelStreamInfer from several

@@ -2,7 +2,8 @@
 
     python -m perf.capacity_engine PLAN.json
 
-The child loads backend.engine.Engine on the plan's checkpoint and catalogue (as perf/engine_target.py
+The child loads manylora.engine.scheduling.engine.Engine on the plan's checkpoint and catalogue (as
+perf/engine_target.py
 does: greedy, ignore_eos, max_tokens = the request's output length), warms it up, runs the plan's
 offline runs and sweep, and writes the results JSON after every run (a killed child leaves what it
 finished). Running it in its own process means the GPU is free again when it exits, before the server
@@ -73,8 +74,8 @@ class EngineDriver:
         self._runs = 0
 
     def run(self, schedule: list[ScheduledRequest], *, cap_s: float, keep_ids: bool) -> RunOutcome:
-        from backend.errors import RequestError
-        from backend.request import GenerationOutput, GenerationRequest, SamplingParams
+        from manylora.engine.errors import RequestError
+        from manylora.engine.requests.types import GenerationOutput, GenerationRequest, SamplingParams
 
         self._runs += 1
         records = [new_record(s) for s in schedule]
@@ -148,8 +149,8 @@ class EngineDriver:
 
 def warm_up(engine) -> None:
     """Requests of several sizes, with and without adapters, so that compilation and first loads are not timed."""
-    from backend.offline import generate
-    from backend.request import GenerationRequest, SamplingParams
+    from manylora.engine.requests.types import GenerationRequest, SamplingParams
+    from manylora.engine.scheduling.offline import generate
 
     vocab = engine.model_config.vocab_size
     names = engine.catalogue.names()[:3]
@@ -178,9 +179,9 @@ def _log(message: str) -> None:
 
 def execute(plan: EnginePlan) -> dict:
     """Load the engine, run the plan, write and return the results."""
-    from backend.config import EngineConfig
-    from backend.devices import resolve_device
-    from backend.engine import Engine
+    from manylora.engine.config import EngineConfig
+    from manylora.engine.devices import resolve_device
+    from manylora.engine.scheduling.engine import Engine
 
     device = resolve_device(plan.device)
     results: dict = {"device": device, "device_name": device_name(device), "offline": [], "sweep": [],

@@ -58,7 +58,7 @@ def prepare_checkpoint(spec: CheckpointSpec, root: Path) -> PreparedCheckpoint:
     """
     import torch
 
-    from backend.devices import resolve_device
+    from manylora.engine.devices import resolve_device
     from perf.capacity_requests import adapter_names
     from perf.checkpoint import SHAPES, write_adapter_catalogue, write_base
 

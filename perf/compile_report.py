@@ -202,14 +202,14 @@ def lora_launches(num_tokens: int, distinct: int, rank: int, segmented: bool | s
     deferred (BGMV): the expand's overwrite form into an fp32 buffer, as a captured decode step defers it."""
     import torch
 
-    from kernels.lora_expand import lora_expand
-    from kernels.lora_meta import build_segments
-    from kernels.lora_shrink import lora_shrink
+    from manylora.kernels.lora_expand import lora_expand
+    from manylora.kernels.lora_meta import build_segments
+    from manylora.kernels.lora_shrink import lora_shrink
 
     gen = torch.Generator().manual_seed(0)
     slots = (torch.arange(num_tokens) % distinct)[torch.randperm(num_tokens, generator=gen)].to(torch.int32)
     if segmented == "device":
-        from kernels.lora_meta import build_segments_on_device
+        from manylora.kernels.lora_meta import build_segments_on_device
 
         segments = build_segments_on_device(slots, distinct)
     else:
@@ -238,7 +238,7 @@ def moe_pair_launches(tokens: int = 64, distinct: int = 8, rank: int = 16) -> No
     128 experts of intermediate 768, top-8; gate_up (two slices) and down, bf16 pool with rows on 16 bytes."""
     import torch
 
-    from kernels.moe_lora_pairs import moe_lora_expand_pairs, moe_lora_shrink_pairs
+    from manylora.kernels.moe_lora_pairs import moe_lora_expand_pairs, moe_lora_shrink_pairs
 
     hidden, inter, experts, top_k = 2048, 768, 128, 8
     gen = torch.Generator().manual_seed(0)
@@ -264,10 +264,10 @@ def other_launches(batch: int = 64, seq: int = 1024) -> None:
     add."""
     import torch
 
-    from kernels.add_rms_norm import add_rms_norm
-    from kernels.paged_attention import attention_config, paged_decode_attention
-    from kernels.rope_kv import rope_kv_write
-    from kernels.silu_mul import silu_mul
+    from manylora.kernels.add_rms_norm import add_rms_norm
+    from manylora.kernels.paged_attention import attention_config, paged_decode_attention
+    from manylora.kernels.rope_kv import rope_kv_write
+    from manylora.kernels.silu_mul import silu_mul
 
     num_layers, page, nkv, d = 32, 16, 8, 128
     pages_per = seq // page
@@ -305,8 +305,8 @@ def gemm_launches(rows: int = 64, dtype: str = "bfloat16") -> None:
     ``rows`` tokens of ``dtype``."""
     import torch
 
-    from backend.model_config import ModelConfig
-    from kernels.skinny_gemm import skinny_linear
+    from manylora.engine.model_config import ModelConfig
+    from manylora.kernels.skinny_gemm import skinny_linear
     from perf.bench_gemm import gemm_shapes
     from perf.shapes import SHAPES
 

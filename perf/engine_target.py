@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
-from backend.engine import Engine
-from backend.request import GenerationOutput, GenerationRequest, SamplingParams
+from manylora.engine.requests.types import GenerationOutput, GenerationRequest, SamplingParams
+from manylora.engine.scheduling.engine import Engine
 from perf.records import RequestRecord
 from perf.replay import Clock, Tracker
 from perf.workload import TraceRequest

@@ -4,7 +4,7 @@
     python -m perf.headline --shape tiny --device cpu    # CPU smoke test, 1-2 minutes
 
 Builds a random-weight checkpoint of the shape (sharded safetensors in a temporary
-directory), loads it through the real loader (backend.engine.Engine), registers n rank-16
+directory), loads it through the real loader (manylora.engine.scheduling.engine.Engine), registers n rank-16
 adapters on all 7 projections (a few distinct adapter files, many names each: see
 perf/checkpoint.py), then replays S-LoRA's workload (power-law adapters, Gamma arrivals,
 uniform lengths; the same arrivals and lengths for every n) against:
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from backend.config import BASE_GEMMS, DECODE_BLAS, DECODE_FORMS
+from manylora.engine.config import BASE_GEMMS, DECODE_BLAS, DECODE_FORMS
 from perf.checkpoint import SHAPES, write_adapter_catalogue, write_base
 from perf.plots import throughput_vs_adapters, ttft_cdf
 from perf.report import SLO_TTFT_S, Summary, markdown_table
@@ -111,8 +111,8 @@ def _free_device(device: str) -> None:
 
 def _warm_up(engine) -> None:
     """A few requests of several sizes, so that kernel compilation is not measured."""
-    from backend.offline import generate
-    from backend.request import GenerationRequest, SamplingParams
+    from manylora.engine.requests.types import GenerationRequest, SamplingParams
+    from manylora.engine.scheduling.offline import generate
 
     vocab = engine.model_config.vocab_size
     names = engine.catalogue.names()[:3]
@@ -128,9 +128,9 @@ def _warm_up(engine) -> None:
 
 
 def run(cfg: HeadlineConfig, out: Path) -> dict:
-    from backend.config import EngineConfig
-    from backend.devices import resolve_device
-    from backend.engine import Engine
+    from manylora.engine.config import EngineConfig
+    from manylora.engine.devices import resolve_device
+    from manylora.engine.scheduling.engine import Engine
     from perf.baselines import PeftBaselineConfig, PeftTarget, load_peft_model
     from perf.engine_target import EngineTarget
 

@@ -10,7 +10,7 @@ as locust's gRPC example does) when MANYLORA_GRPC_URL is set; otherwise HTTP
 POST <host>/v2/models/llm/generate_stream (SSE), or force it with MANYLORA_TRANSPORT=http.
 
 Environment:
-    MANYLORA_ADAPTERS   comma-separated adapter names (default: the server's list, via client/ over gRPC;
+    MANYLORA_ADAPTERS   comma-separated adapter names (default: the server's list, via manylora/client/ over gRPC;
                         none found: base model only)
     MANYLORA_ALPHA      power-law exponent (S-LoRA's np.random.power; 1 = uniform, < 1 favours the first names)
     MANYLORA_INPUT_RANGE / MANYLORA_OUTPUT_RANGE   "lo,hi": prompt words ("Hello " * n) and max_tokens, [lo, hi)
@@ -54,14 +54,14 @@ ADAPTERS: list[str] = []
 
 @events.init.add_listener
 def _load_adapters(environment, **_kwargs) -> None:
-    """Adapter names from the environment, else from the server (client/ library, gRPC control request)."""
+    """Adapter names from the environment, else from the server (manylora/client/ library, gRPC control request)."""
     ADAPTERS.clear()
     given = os.environ.get("MANYLORA_ADAPTERS", "")
     if given:
         ADAPTERS.extend(a for a in given.split(",") if a)
     elif GRPC_URL:
         try:
-            from client import ManyLoraClient
+            from manylora.client import ManyLoraClient
 
             ADAPTERS.extend(a["name"] for a in ManyLoraClient(grpc_url=GRPC_URL).list_adapters())
         except Exception as e:  # noqa: BLE001 - run on the base model rather than not at all
@@ -97,7 +97,7 @@ class LlmUser(User):
 
     def on_stop(self) -> None:
         if self.grpc is not None:
-            from client.api import close_client
+            from manylora.client.api import close_client
 
             close_client(self.grpc)
         if self.session is not None:
@@ -136,7 +136,7 @@ class LlmUser(User):
     def _grpc_stream(self, prompt: str, adapter: str | None, max_tokens: int):
         import tritonclient.grpc as grpcclient
 
-        from client.api import _sampling, _tensor
+        from manylora.client.api import _sampling, _tensor
 
         inputs = [_tensor("text_input", [prompt], "BYTES")]
         inputs += _sampling(max_tokens, adapter, None, None, None, None, None, stream=True)

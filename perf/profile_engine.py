@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from backend.config import DECODE_FORMS
+from manylora.engine.config import DECODE_FORMS
 from perf.checkpoint import SHAPES, write_adapter_catalogue, write_base
 from perf.runner import run_target
 from perf.workload import WorkloadConfig, adapter_name, base_only, generate_trace
@@ -292,9 +292,9 @@ class StepProfiler:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from backend.config import EngineConfig
-    from backend.devices import resolve_device
-    from backend.engine import Engine
+    from manylora.engine.config import EngineConfig
+    from manylora.engine.devices import resolve_device
+    from manylora.engine.scheduling.engine import Engine
     from perf.engine_target import EngineTarget
     from perf.headline import DEFAULTS, _warm_up
 

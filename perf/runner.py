@@ -80,9 +80,9 @@ def main(argv: list[str] | None = None) -> None:
     else:
         if not a.engine_model:
             p.error("give --url for the server or --engine-model for the in-process engine")
-        from backend.catalogue import load_catalogue_file
-        from backend.config import EngineConfig
-        from backend.engine import Engine
+        from manylora.engine.adapters.catalogue import load_catalogue_file
+        from manylora.engine.config import EngineConfig
+        from manylora.engine.scheduling.engine import Engine
         from perf.engine_target import EngineTarget
 
         adapters = load_catalogue_file(a.catalogue) if a.catalogue else {}

@@ -98,7 +98,7 @@ def _subtract(intervals: list[tuple[float, float]], cover: list[tuple[float, flo
 
 
 def is_lora_kernel(name: str) -> bool:
-    """Whether a kernel is LoRA work (the shrink / expand kernels of kernels/lora_*.py)."""
+    """Whether a kernel is LoRA work (the shrink / expand kernels of manylora/kernels/lora_*.py)."""
     return "lora" in name.lower()
 
 

@@ -88,7 +88,7 @@ def install_stub(home: Path | None = None) -> Path:
 def check_engine_params(params: dict[str, str]) -> None:
     known = set(ENGINE_PARAMS) | set(MODEL_PARAMS)
     try:  # the engine's own list, where it is importable
-        from backend.config import EngineConfig
+        from manylora.engine.config import EngineConfig
 
         known |= {f.name for f in fields(EngineConfig)} - {"model_dir", "adapters"}
     except ImportError:
@@ -147,7 +147,7 @@ def render_repository(
 def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for tritonserver: the stub's libraries, this venv's python3 first on PATH.
 
-    The stub's interpreter ignores PYTHONPATH: the models find backend/ through the venv
+    The stub's interpreter ignores PYTHONPATH: the models find manylora/engine/ through the venv
     (the repository is pip-installed there, editable).
     """
     env = dict(os.environ if base is None else base)

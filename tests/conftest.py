@@ -19,7 +19,7 @@ def _poisoned_empty_memory():
         return
     from poison_empty import poison, poisoned_empty
 
-    from backend import unified_pool
+    from manylora.engine.memory import unified_pool
 
     made = unified_pool.UnifiedPool.__init__
 

@@ -115,8 +115,8 @@ def assert_generations_match_peft(engine, base_dir: Path, adapters: dict[str, st
                                   cases: list[tuple[list[int], str | None]], max_tokens: int, prefix: str) -> None:
     """Generate every (prompt ids, adapter name or None) case greedily through the engine at once (requests
     ``prefix``0, 1, ...) and check each against the PEFT oracle."""
-    from backend.offline import generate
-    from backend.request import GenerationRequest, SamplingParams
+    from manylora.engine.requests.types import GenerationRequest, SamplingParams
+    from manylora.engine.scheduling.offline import generate
 
     reqs = [GenerationRequest(f"{prefix}{i}", p, a, SamplingParams(max_tokens=max_tokens))
             for i, (p, a) in enumerate(cases)]

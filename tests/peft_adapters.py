@@ -14,7 +14,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from backend.model_config import PROJECTIONS, ModelConfig
+from manylora.engine.model_config import PROJECTIONS, ModelConfig
 
 TINY = {
     "vocab_size": 64,

@@ -1,4 +1,5 @@
-"""backend.adapter against real PEFT adapters (peft get_peft_model + save_pretrained, random weights): what PEFT
+"""manylora.engine.adapters.spec against real PEFT adapters (peft get_peft_model + save_pretrained, random weights):
+what PEFT
 writes, and parsing and loading agreeing with it."""
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ from peft_adapters import (
 )
 from safetensors.torch import load_file
 
-from backend.adapter import (
+from manylora.engine.adapters.spec import (
     AdapterSpec,
     LoraWeights,
     compute_sha256,
     parse_adapter_spec,
 )
-from backend.adapter_weights import load_adapter_weights
-from backend.model_config import ModelConfig
+from manylora.engine.adapters.weights import load_adapter_weights
+from manylora.engine.model_config import ModelConfig
 
 
 @pytest.fixture(scope="module")

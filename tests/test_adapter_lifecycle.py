@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from backend.config import EngineConfig
-from backend.engine import Engine
-from backend.errors import ErrorCode, RequestError
-from backend.offline import generate
-from backend.request import GenerationRequest, SamplingParams
+from manylora.engine.config import EngineConfig
+from manylora.engine.errors import ErrorCode, RequestError
+from manylora.engine.requests.types import GenerationRequest, SamplingParams
+from manylora.engine.scheduling.engine import Engine
+from manylora.engine.scheduling.offline import generate
 from model_factory import make_base, peft_greedy, write_random_adapter
 
 FLIPS = 60

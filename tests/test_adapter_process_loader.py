@@ -10,16 +10,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from backend.adapter import parse_adapter_spec
-from backend.adapter_packing import _layout
-from backend.adapter_process_loader import ProcessLoader
-from backend.config import EngineConfig
-from backend.engine import Engine
-from backend.errors import AdapterError
-from backend.host_cache import HostAdapterCache
-from backend.model_config import ModelConfig
-from backend.offline import generate
-from backend.request import GenerationRequest, SamplingParams
+from manylora.engine.adapters.host_cache import HostAdapterCache
+from manylora.engine.adapters.packing import _layout
+from manylora.engine.adapters.process_loader import ProcessLoader
+from manylora.engine.adapters.spec import parse_adapter_spec
+from manylora.engine.config import EngineConfig
+from manylora.engine.errors import AdapterError
+from manylora.engine.model_config import ModelConfig
+from manylora.engine.requests.types import GenerationRequest, SamplingParams
+from manylora.engine.scheduling.engine import Engine
+from manylora.engine.scheduling.offline import generate
 from model_factory import assert_pool_drained, make_base, peft_greedy, write_random_adapter
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -1,4 +1,5 @@
-"""backend.adapter refusing bad adapters at registration and at load, by name and reason (real PEFT adapters edited,
+"""manylora.engine.adapters.spec refusing bad adapters at registration and at load, by name and reason (real PEFT
+adapters edited,
 and malformed safetensors files fuzzed)."""
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from peft_adapters import (
 )
 from safetensors.torch import save_file
 
-from backend.adapter import parse_adapter_spec
-from backend.adapter_weights import load_adapter_weights
-from backend.errors import AdapterError
-from backend.model_config import ModelConfig
+from manylora.engine.adapters.spec import parse_adapter_spec
+from manylora.engine.adapters.weights import load_adapter_weights
+from manylora.engine.errors import AdapterError
+from manylora.engine.model_config import ModelConfig
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +183,7 @@ def test_unchanged_file_is_not_rehashed_changed_one_is(golden: Path, tmp_path: P
                                                       monkeypatch) -> None:
     """A file whose stamp is unchanged since registration loads without hashing it again (unless asked);
     one that changed is hashed and refused. Files changed within STAMP_MIN_AGE_S are always hashed."""
-    import backend.adapter as adapter_module
+    import manylora.engine.adapters.spec as adapter_module
 
     path = copy_of(golden, tmp_path)
     fresh = parse_adapter_spec("fresh", path, mc, MAX_RANK)

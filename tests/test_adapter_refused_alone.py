@@ -15,13 +15,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import backend.engine as engine_module
-from backend.catalogue import CatalogueEntry
-from backend.config import EngineConfig
-from backend.engine import Engine
-from backend.errors import AdapterError, ErrorCode
-from backend.offline import generate
-from backend.request import GenerationRequest, SamplingParams
+import manylora.engine.scheduling.engine as engine_module
+from manylora.engine.adapters.catalogue import CatalogueEntry
+from manylora.engine.config import EngineConfig
+from manylora.engine.errors import AdapterError, ErrorCode
+from manylora.engine.requests.types import GenerationRequest, SamplingParams
+from manylora.engine.scheduling.engine import Engine
+from manylora.engine.scheduling.offline import generate
 from model_factory import make_base, write_random_adapter
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -5,9 +5,9 @@ On a GPU the capture flag is what forward sets; here it is set by hand, and the 
 import pytest
 import torch
 
-import kernels.skinny_gemm as skinny_gemm
-from backend.model_config import ModelConfig
-from backend.models.llama import AUTO_TRITON_MAX_ROWS
+import manylora.kernels.skinny_gemm as skinny_gemm
+from manylora.engine.model_config import ModelConfig
+from manylora.engine.models.llama import AUTO_TRITON_MAX_ROWS
 from perf.bench_decode_step import random_model
 from perf.shapes import SHAPES
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from backend.model_config import ModelConfig
+from manylora.engine.model_config import ModelConfig
 from perf.bench_decode_step import random_model, step_weight_bytes
 from perf.shapes import SHAPES
 

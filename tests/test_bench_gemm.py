@@ -1,6 +1,6 @@
 """The GEMM benchmark times the shapes the model runs (its shapes come from the model's config)."""
 
-from backend.model_config import ModelConfig
+from manylora.engine.model_config import ModelConfig
 from perf.bench_gemm import gemm_shapes
 from perf.shapes import SHAPES
 

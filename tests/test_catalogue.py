@@ -1,4 +1,4 @@
-"""backend.catalogue: catalogue files, registration, lookup, pinning, and registration speed."""
+"""manylora.engine.adapters.catalogue: catalogue files, registration, lookup, pinning, and registration speed."""
 
 from __future__ import annotations
 
@@ -15,16 +15,16 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from backend.adapter import compute_sha256
-from backend.catalogue import (
+from manylora.engine.adapters.catalogue import (
     AdapterCatalogue,
     CatalogueEntry,
     CatalogueError,
     load_catalogue_file,
     validate_adapter_name,
 )
-from backend.errors import AdapterError, ErrorCode, RequestError
-from backend.model_config import ModelConfig
+from manylora.engine.adapters.spec import compute_sha256
+from manylora.engine.errors import AdapterError, ErrorCode, RequestError
+from manylora.engine.model_config import ModelConfig
 
 TINY = {
     "vocab_size": 64,

@@ -67,7 +67,8 @@ def test_every_kernel_that_streams_memory_was_compiled(compiled):
 
 
 def test_kernels_read_global_memory_16_bytes_at_a_time(compiled):
-    """Every kernel but the BGMV expand tile (``kernels/expand_tiles.py`` bgmv_expand_tile: the dense kernel's body
+    """Every kernel but the BGMV expand tile (``manylora/kernels/expand_tiles.py`` bgmv_expand_tile: the dense
+    kernel's body
     for small launches, ROWS False, and the MoE-LoRA pair expand), whose 16-byte path measured ~3x slower on the
     H200; those must compile to the plain loads, not gain or lose them by accident. The dense kernel's
     row-streaming body (ROWS True) must read 16 bytes at a time."""

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from backend.detokenize import CONTEXT_TOKENS, IncrementalDecoder, decode_chunk
+from manylora.engine.requests.detokenize import CONTEXT_TOKENS, IncrementalDecoder, decode_chunk
 from model_factory import train_tokenizer
 
 WORDS = ["the", " baker", " café", " crème", " brûlée", " ñ", "!"]

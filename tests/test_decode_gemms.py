@@ -1,19 +1,19 @@
-"""The decode graphs' base-GEMM settings (backend/decode_gemms.py, EngineConfig.decode_gemm_blas /
+"""The decode graphs' base-GEMM settings (manylora/engine/layers/decode_gemms.py, EngineConfig.decode_gemm_blas /
 decode_gemm_sm_carveout): what each graph is captured with, the configuration's checks, and (on a GPU) that torch's
 cuBLAS settings hold inside a capture's context only."""
 
 import pytest
 import torch
 
-from backend.config import EngineConfig
-from backend.decode_gemms import (
+from manylora.engine.config import EngineConfig
+from manylora.engine.layers.decode_gemms import (
     DecodeGemmSettings,
     applied,
     group_carveouts_for,
     parse_carveout,
     sm_carveout_for,
 )
-from backend.models.llama import GATE_UP, QKV, LlamaModel
+from manylora.engine.models.llama import GATE_UP, QKV, LlamaModel
 
 
 @pytest.mark.parametrize("with_lora", [True, False])

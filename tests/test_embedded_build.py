@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from backend.embedded import build as embedded
+from manylora.embedded import build as embedded
 
 STEPS, ADAPTER_STEPS = 120, 60  # enough for distinct greedy outputs, a few seconds to build
 PROMPTS = ("Every Saturday there is a market", "Anna likes to sit by the river", "The weather today is")

@@ -8,14 +8,14 @@ import time
 
 import pytest
 
-from backend.config import EngineConfig
-from backend.detokenize import IncrementalDecoder, decode_chunk
-from backend.engine import Engine
-from backend.errors import ErrorCode, RequestError
-from backend.offline import generate
-from backend.request import GenerationRequest, SamplingParams
-from backend.sampling import make_generator
-from backend.sequence import Sequence
+from manylora.engine.config import EngineConfig
+from manylora.engine.errors import ErrorCode, RequestError
+from manylora.engine.requests.detokenize import IncrementalDecoder, decode_chunk
+from manylora.engine.requests.sampling import make_generator
+from manylora.engine.requests.types import GenerationRequest, SamplingParams
+from manylora.engine.scheduling.engine import Engine
+from manylora.engine.scheduling.offline import generate
+from manylora.engine.scheduling.sequence import Sequence
 from model_factory import make_adapter, make_base
 
 
@@ -130,9 +130,9 @@ def test_bad_requests_are_refused_alone(engine, change, message):
 
 
 def test_cancellation_frees_the_request(engine, monkeypatch):
-    import backend.engine
+    import manylora.engine.scheduling.engine
 
-    monkeypatch.setattr(backend.engine, "CANCEL_POLL_S", 0.0)  # poll every loop: the tiny model is fast
+    monkeypatch.setattr(manylora.engine.scheduling.engine, "CANCEL_POLL_S", 0.0)  # poll every loop: the model is fast
     cancelled = threading.Event()
     outputs = []
     done = threading.Event()
@@ -180,7 +180,7 @@ def test_queue_limit_refuses_with_unavailable(tmp_path):
 
 def test_instance_device_follows_triton_placement():
     """A KIND_GPU instance's engine runs on the GPU Triton placed it on, unless the device is set."""
-    from backend.devices import instance_device
+    from manylora.engine.devices import instance_device
 
     assert instance_device("auto", "GPU", "2") == "cuda:2"
     assert instance_device("", "GPU", 0) == "cuda:0"
@@ -209,8 +209,8 @@ def test_model_kernel_options_carry_every_knob_the_model_reads():
     the same names, with the kernels resolved: a knob added to one but not the other would be dropped silently."""
     import dataclasses
 
-    from backend.config import ModelKernelOptions
-    from backend.models.llama import LlamaModel
+    from manylora.engine.config import ModelKernelOptions
+    from manylora.engine.models.llama import LlamaModel
 
     config = EngineConfig(model_dir=".", fuse_add_norm=False, fuse_rope_kv=False, base_gemm="triton")
     options = ModelKernelOptions.of(config, use_kernels=True)

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-import backend.engine
-from backend.config import EngineConfig
-from backend.engine import Engine
-from backend.errors import ErrorCode, RequestError
-from backend.offline import generate
-from backend.request import GenerationOutput, GenerationRequest, SamplingParams
+import manylora.engine.scheduling.engine
+from manylora.engine.config import EngineConfig
+from manylora.engine.errors import ErrorCode, RequestError
+from manylora.engine.requests.types import GenerationOutput, GenerationRequest, SamplingParams
+from manylora.engine.scheduling.engine import Engine
+from manylora.engine.scheduling.offline import generate
 from model_factory import make_adapter, make_base
 
 POISON_FORWARD = 3  # a prompt with this token id at position POISON_AT makes the model's forward raise
@@ -59,7 +59,7 @@ def _faults(engine, monkeypatch):
             raise RuntimeError("injected forward fault")
         return forward(batch, kv, lora)
 
-    sample = backend.engine.sample_next
+    sample = manylora.engine.scheduling.engine.sample_next
 
     def poisoned_sample(logits, params, generator):
         if params.seed == POISON_SEED:
@@ -67,8 +67,8 @@ def _faults(engine, monkeypatch):
         return sample(logits, params, generator)
 
     monkeypatch.setattr(engine.model, "forward", poisoned_forward)
-    monkeypatch.setattr(backend.engine, "sample_next", poisoned_sample)
-    monkeypatch.setattr(backend.engine, "CANCEL_POLL_S", 0.01)
+    monkeypatch.setattr(manylora.engine.scheduling.engine, "sample_next", poisoned_sample)
+    monkeypatch.setattr(manylora.engine.scheduling.engine, "CANCEL_POLL_S", 0.01)
 
 
 @dataclass

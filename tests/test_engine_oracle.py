@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from backend.config import EngineConfig
-from backend.engine import Engine
-from backend.offline import generate
-from backend.request import GenerationRequest, SamplingParams
+from manylora.engine.config import EngineConfig
+from manylora.engine.requests.types import GenerationRequest, SamplingParams
+from manylora.engine.scheduling.engine import Engine
+from manylora.engine.scheduling.offline import generate
 from model_factory import assert_pool_drained, make_adapter, make_base, peft_greedy
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

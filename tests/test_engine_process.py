@@ -1,4 +1,5 @@
-"""backend.engine_process: the engine in a child process gives exactly what the engine in-process gives, and
+"""manylora.engine.scheduling.engine_process: the engine in a child process gives exactly what the engine in-process
+gives, and
 cancellation, refusals, calls, observer events, a failed start and a dead child all behave."""
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ import time
 
 import pytest
 
-from backend.config import EngineConfig
-from backend.engine import Engine
-from backend.engine_process import EngineFailedToStart, EngineLaunch, EngineProcess
-from backend.errors import ErrorCode, RequestError
-from backend.offline import generate
-from backend.request import GenerationOutput, GenerationRequest, SamplingParams
+from manylora.engine.config import EngineConfig
+from manylora.engine.errors import ErrorCode, RequestError
+from manylora.engine.requests.types import GenerationOutput, GenerationRequest, SamplingParams
+from manylora.engine.scheduling.engine import Engine
+from manylora.engine.scheduling.engine_process import EngineFailedToStart, EngineLaunch, EngineProcess
+from manylora.engine.scheduling.offline import generate
 from model_factory import make_adapter, make_base
 
 KNOBS = {"max_model_len": "2048", "max_num_seqs": "8"}
@@ -186,8 +187,8 @@ def test_the_parent_side_needs_no_torch(model):
     code = f"""
 import sys
 sys.modules["torch"] = None  # any import of torch here fails
-from backend.engine_process import EngineLaunch, EngineProcess
-from backend.request import GenerationRequest, SamplingParams
+from manylora.engine.scheduling.engine_process import EngineLaunch, EngineProcess
+from manylora.engine.requests.types import GenerationRequest, SamplingParams
 p = EngineProcess(EngineLaunch({str(base)!r}, {str(catalogue)!r}, "cpu", {KNOBS!r}))
 print(p.stats()["device"])
 p.shutdown()

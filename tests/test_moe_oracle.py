@@ -11,14 +11,14 @@ import random
 import pytest
 import torch
 
-from backend.adapter import parse_adapter_spec
-from backend.adapter_weights import load_adapter_weights
-from backend.config import EngineConfig
-from backend.engine import Engine
-from backend.errors import AdapterError
-from backend.model_config import ModelConfig
-from backend.offline import generate
-from backend.request import GenerationRequest, SamplingParams
+from manylora.engine.adapters.spec import parse_adapter_spec
+from manylora.engine.adapters.weights import load_adapter_weights
+from manylora.engine.config import EngineConfig
+from manylora.engine.errors import AdapterError
+from manylora.engine.model_config import ModelConfig
+from manylora.engine.requests.types import GenerationRequest, SamplingParams
+from manylora.engine.scheduling.engine import Engine
+from manylora.engine.scheduling.offline import generate
 from model_factory import assert_pool_drained, make_moe_adapter, make_moe_base, peft_greedy
 
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -178,8 +178,8 @@ def test_fused_expert_checkpoint_loads(moe_checkpoint, tmp_path):
 
 def test_sizing_counts_experts(moe_checkpoint, tmp_path):
     """The planner's weight bytes and adapter pages equal what the engine holds for an MoE base."""
-    from backend.model_config import ATTENTION_PROJECTIONS
-    from backend.sizing import adapter_pages, weight_bytes
+    from manylora.engine.memory.sizing import adapter_pages, weight_bytes
+    from manylora.engine.model_config import ATTENTION_PROJECTIONS
 
     case, family, base, _ = moe_checkpoint
     adapter = make_moe_adapter(base, tmp_path / "a", rank=4, targets=list(ATTENTION_PROJECTIONS),

@@ -6,8 +6,8 @@ from dataclasses import fields
 
 import pytest
 
-from backend.config import EngineConfig
-from backend.engine import Engine
+from manylora.engine.config import EngineConfig
+from manylora.engine.scheduling.engine import Engine
 from model_factory import make_base, write_random_adapter
 from perf.engine_target import EngineTarget
 from perf.report import Summary

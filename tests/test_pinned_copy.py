@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from backend.pinned_copy import PinnedStager
+from manylora.engine.memory.pinned_copy import PinnedStager
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned staging needs a CUDA device")
 

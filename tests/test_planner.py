@@ -1,4 +1,4 @@
-"""The capacity planner (python -m client plan) agrees with the engine page for page, on CPU."""
+"""The capacity planner (python -m manylora.client plan) agrees with the engine page for page, on CPU."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend import sizing
-from backend.config import EngineConfig
-from backend.engine import Engine
-from backend.model_config import PROJECTIONS, ModelConfig
-from backend.offline import generate
-from backend.request import GenerationRequest, SamplingParams
-from backend.unified_pool import page_bytes
-from client.plan import parse_ranks, parse_size
+from manylora.client.plan import parse_ranks, parse_size
+from manylora.engine.config import EngineConfig
+from manylora.engine.memory import sizing
+from manylora.engine.memory.unified_pool import page_bytes
+from manylora.engine.model_config import PROJECTIONS, ModelConfig
+from manylora.engine.requests.types import GenerationRequest, SamplingParams
+from manylora.engine.scheduling.engine import Engine
+from manylora.engine.scheduling.offline import generate
 from model_factory import make_base, write_random_adapter
 
 REPO = Path(__file__).resolve().parents[1]
@@ -137,7 +137,7 @@ def test_plan_capacity_numbers(base):
 
 
 def test_plan_cli(base):
-    command = [sys.executable, "-m", "client", "plan", "--base-model", str(base), "--gpu-memory", "80GB",
+    command = [sys.executable, "-m", "manylora.client", "plan", "--base-model", str(base), "--gpu-memory", "80GB",
                "--ranks", "8:500,16:300", "--max-loras", "64", "--page-size", "16", "--prompt-len", "512",
                "--output-len", "512"]
     text = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)

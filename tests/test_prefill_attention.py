@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from backend.prefill_attention import PAD_FLOOR, attend, attend_each, build_groups, group_sequences
-from backend.step_batch import SequenceSlice
+from manylora.engine.layers.prefill_attention import PAD_FLOOR, attend, attend_each, build_groups, group_sequences
+from manylora.engine.layers.step_batch import SequenceSlice
 
 
 def _random_step(rng: random.Random, num_seqs: int, page_size: int, max_context: int, heads: int, kv_heads: int,

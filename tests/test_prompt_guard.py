@@ -1,4 +1,5 @@
-"""backend.prompt_guard: a prompt that cannot fit the context is refused before it is tokenized whole; one that fits
+"""manylora.engine.requests.prompt_guard: a prompt that cannot fit the context is refused before it is tokenized
+whole; one that fits
 gets exactly the tokenizer's ids."""
 
 from __future__ import annotations
@@ -7,8 +8,8 @@ import random
 
 import pytest
 
-from backend.errors import ErrorCode, RequestError
-from backend.prompt_guard import PromptGuard, longest_token_bytes
+from manylora.engine.errors import ErrorCode, RequestError
+from manylora.engine.requests.prompt_guard import PromptGuard, longest_token_bytes
 from model_factory import TOKENIZER_TEXT, train_tokenizer
 
 

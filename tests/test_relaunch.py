@@ -1,4 +1,4 @@
-"""kernels/relaunch.py: which kernels can skip Triton's dispatch (the check runs without a GPU).
+"""manylora/kernels/relaunch.py: which kernels can skip Triton's dispatch (the check runs without a GPU).
 
 The direct path needs every parameter after the positional ones to be a constexpr given in ``meta``; a kernel
 that breaks this (a constexpr added mid-signature) silently falls back to dispatching every launch. These checks run
@@ -14,11 +14,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 CHECK = r"""
-import kernels.add_rms_norm as a, kernels.lora_expand as e, kernels.lora_shrink as s, kernels.paged_attention as p
-import kernels.silu_mul as m
+import manylora.kernels.add_rms_norm as a
+import manylora.kernels.lora_expand as e
+import manylora.kernels.lora_shrink as s
+import manylora.kernels.paged_attention as p
+import manylora.kernels.silu_mul as m
 import triton
 import triton.language as tl
-from kernels.relaunch import Relauncher
+from manylora.kernels.relaunch import Relauncher
 
 def meta_of(fn):
     return {q.name: 1 for q in fn.params if q.is_constexpr} | {"num_warps": 4}

@@ -1,4 +1,4 @@
-"""backend.request_parsing: Triton tensors (numpy, with the batch dimension) -> GenerationRequest.
+"""manylora.engine.requests.parsing: Triton tensors (numpy, with the batch dimension) -> GenerationRequest.
 
 Fuzzed with hypothesis: whatever the dtypes, shapes, values or bytes, the result is a
 GenerationRequest or a RequestError with a message naming the input; never another exception.
@@ -15,15 +15,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from backend.errors import ErrorCode, RequestError
-from backend.request import GenerationRequest
-from backend.request_parsing import (
+from manylora.engine.errors import ErrorCode, RequestError
+from manylora.engine.requests.parsing import (
     INT32_MAX,
     MAX_STOP_STRINGS,
     parse_control,
     parse_generation,
     sampling_params,
 )
+from manylora.engine.requests.types import GenerationRequest
 
 INPUT_NAMES = ("input_ids", "max_tokens", "lora_name", "stream", "temperature", "top_k", "top_p", "seed", "stop")
 SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

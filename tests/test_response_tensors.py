@@ -8,8 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from backend.request import GenerationOutput
-from backend.response_tensors import GENERATOR_OUTPUTS, output_arrays
+from manylora.engine.requests.response_tensors import GENERATOR_OUTPUTS, output_arrays
+from manylora.engine.requests.types import GenerationOutput
 
 
 def _random_output(rng: random.Random) -> GenerationOutput:

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from client.routing import instance_order, pick_instance
+from manylora.client.routing import instance_order, pick_instance
 
 INSTANCES = [f"10.0.0.{i}:8001" for i in range(4)]
 ADAPTERS = [f"tenant-{i}" for i in range(4000)]

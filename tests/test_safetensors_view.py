@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from backend.safetensors_view import parse_safetensors
+from manylora.engine.safetensors_view import parse_safetensors
 
 
 def test_same_tensors_as_the_library():

@@ -3,7 +3,7 @@
 import threading
 import time
 
-from backend.state_lock import LoopStateLock
+from manylora.engine.scheduling.state_lock import LoopStateLock
 
 
 def _busy(seconds: float) -> None:

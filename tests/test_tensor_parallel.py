@@ -10,20 +10,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from backend.adapter import parse_adapter_spec
-from backend.adapter_weights import load_adapter_weights
-from backend.loader import load_state_dict
-from backend.model_config import PROJECTIONS, ModelConfig
-from backend.models.llama import weight_names
-from backend.tensor_parallel import (
-    Comm,
+from manylora.engine.adapters.spec import parse_adapter_spec
+from manylora.engine.adapters.weights import load_adapter_weights
+from manylora.engine.layers.comm import Comm
+from manylora.engine.model_config import PROJECTIONS, ModelConfig
+from manylora.engine.models.llama import weight_names
+from manylora.engine.models.loader import load_state_dict
+from manylora.engine.parallel.lora import TPLoraBatch, lora_comm_elements_per_layer, shard_lora
+from manylora.engine.parallel.sharding import (
     TensorParallelLlama,
     base_comm_elements_per_layer,
     check_tp,
     feature_slice,
     shard_state_dict,
 )
-from backend.tp_lora import TPLoraBatch, lora_comm_elements_per_layer, shard_lora
 from model_factory import make_base, write_random_adapter
 
 MODES = (("replicated_a", "fold"), ("gather", "reduce"))

@@ -11,18 +11,18 @@ import numpy as np
 import pytest
 import torch
 
-from backend.adapter import parse_adapter_spec
-from backend.adapter_packing import pack_adapter, pages_for
-from backend.adapter_pool import AdapterPool
-from backend.adapter_weights import load_adapter_weights
-from backend.config import EngineConfig
-from backend.engine import Engine
-from backend.host_cache import HostAdapterCache
-from backend.model_config import ModelConfig
-from backend.offline import generate
-from backend.page_pool import PagePool, PoolExhausted
-from backend.request import GenerationRequest, SamplingParams
-from backend.unified_pool import UnifiedPool
+from manylora.engine.adapters.host_cache import HostAdapterCache
+from manylora.engine.adapters.packing import pack_adapter, pages_for
+from manylora.engine.adapters.spec import parse_adapter_spec
+from manylora.engine.adapters.weights import load_adapter_weights
+from manylora.engine.config import EngineConfig
+from manylora.engine.memory.adapter_slots import AdapterPool
+from manylora.engine.memory.page_pool import PagePool, PoolExhausted
+from manylora.engine.memory.unified_pool import UnifiedPool
+from manylora.engine.model_config import ModelConfig
+from manylora.engine.requests.types import GenerationRequest, SamplingParams
+from manylora.engine.scheduling.engine import Engine
+from manylora.engine.scheduling.offline import generate
 from model_factory import assert_pool_drained, make_base, write_random_adapter
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -300,7 +300,7 @@ def test_host_cache_bounded_by_bytes_evicts_least_recently_used(base, tmp_path):
 
 
 def test_host_cache_budget_is_a_share_of_available_memory_and_of_shared_memory_room(tmp_path):
-    from backend.sizing import host_cache_bytes
+    from manylora.engine.memory.sizing import host_cache_bytes
 
     assert host_cache_bytes(0.4, available=10 << 30) == int(0.4 * (10 << 30))
     assert host_cache_bytes(0.0, available=10 << 30) is None
@@ -356,9 +356,9 @@ def test_stats_read_from_another_thread_while_the_engine_churns_adapters(base, t
 def test_page_count_equals_the_layout(shape):
     """``pages_for`` (runs of equal rows placed at once) counts exactly the pages ``_layout`` lists row by row, for
     random per-layer ranks and targets (experts included on an MoE base) and pages small enough that rows wrap."""
-    from backend.adapter_packing import _layout
-    from backend.catalogue import AdapterSpec
-    from backend.model_config import EXPERT_PARAMETERS
+    from manylora.engine.adapters.catalogue import AdapterSpec
+    from manylora.engine.adapters.packing import _layout
+    from manylora.engine.model_config import EXPERT_PARAMETERS
     from perf.shapes import TINY
 
     if shape == "mixtral":

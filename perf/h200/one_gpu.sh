@@ -247,7 +247,7 @@ expand)
   } > "$OUT/expand.txt" 2>&1
   ;;
 rows)
-  # the BGMV expand streaming B^T row by row (kernels/lora_expand.py bgmv_expand_rows): compiled tests of the BGMV
+  # the BGMV expand streaming B^T row by row (manylora/kernels/lora_expand.py bgmv_expand_rows): compiled tests of the BGMV
   # paths and the graphs, the expand sweep (the old tile body and the rows body in one process), the decode step of
   # this tree and of BASE, the kernel benchmark
   compiled_tests 240 \
@@ -506,7 +506,7 @@ carveout)
   } > "$OUT/carveout.txt" 2>&1
   ;;
 carveout_ab)
-  # the decode graphs' GEMM settings (EngineConfig.decode_gemm_blas / decode_gemm_sm_carveout, backend/decode_gemms.py)
+  # the decode graphs' GEMM settings (EngineConfig.decode_gemm_blas / decode_gemm_sm_carveout, manylora/engine/layers/decode_gemms.py)
   # as the engine applies them: their compiled tests (graph replay equal to eager with and without the carveout, the
   # engine against PEFT), the decode step over cublas / cublaslt x carveout 0 / 32 / 48 / 64 x shrink order in 4
   # interleaved rounds, then the headline at n = 5, 100 with the defaults and with cuBLAS without a carveout
@@ -658,7 +658,7 @@ sanitize)
   } > "$OUT/sanitize.txt" 2>&1
   ;;
 splits)
-  # flash-decoding splits of the paged attention (kernels/paged_attention.py attention_splits): the kernel's compiled
+  # flash-decoding splits of the paged attention (manylora/kernels/paged_attention.py attention_splits): the kernel's compiled
   # tests and the engine's that decode at small batches (every split path against PEFT and graph replay), the sweep
   # of split counts over batch x context, then the whole decode step with the splits chosen (auto) and with one pass
   # (1), captured in one process and timed in interleaved rounds, at small batches and long contexts

@@ -8,7 +8,7 @@ mkdir -p "$OUT"
 # the build and the bf16 conversion use the image's python3 (numpy 2: its transformers needs it);
 # the server's stub and the client use the venv from env.sh (numpy 1.26 for the 2.51 stub)
 export PYTHONPATH=$PWD
-python3 -m backend.embedded.build --out /tmp/default > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
+python3 -m manylora.embedded.build --out /tmp/default > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
 python3 - <<'PY'
 import shutil, torch
 from transformers import AutoModelForCausalLM
@@ -30,11 +30,11 @@ for i in $(seq 1 120); do
   sleep 1
 done
 echo "== ready after ${i}s"
-python -m client adapters list
-python -m client stats | tr ',' '\n' | grep -E '"(device|dtype|kernels|pool_pages_total|adapters_resident)"' || python -m client stats
+python -m manylora.client adapters list
+python -m manylora.client stats | tr ',' '\n' | grep -E '"(device|dtype|kernels|pool_pages_total|adapters_resident)"' || python -m manylora.client stats
 for a in "" shout pirate whisper numbers; do
   echo "== adapter '${a:-base}' (streamed over gRPC)"
-  python -m client generate ${a:+--adapter $a} --max-tokens 24 "Every Saturday there is a market"
+  python -m manylora.client generate ${a:+--adapter $a} --max-tokens 24 "Every Saturday there is a market"
   echo
 done
 echo "== /generate (HTTP, one response)"
@@ -42,7 +42,7 @@ curl -s -X POST localhost:8000/v2/models/llm/generate \
   -d '{"text_input": "Every Saturday there is a market", "max_tokens": 24, "lora_name": "shout"}'
 echo
 echo "== a bad request is refused alone"
-python -m client generate --adapter no-such-adapter "hello" 2>&1 | tail -1
+python -m manylora.client generate --adapter no-such-adapter "hello" 2>&1 | tail -1
 curl -sf localhost:8000/v2/health/ready && echo "server ready"
 kill $SERVER; wait $SERVER 2>/dev/null
 grep -iE "error|exception" "$OUT/server.log" | grep -v "no-such-adapter" | head -5

@@ -60,7 +60,7 @@ steps)
   } > "$OUT/steps.txt" 2>&1
   ;;
 ab)
-  # this tree's engine code against the tree in .baseline/ (a previous commit's backend/, kernels/, perf/, with this
+  # this tree's engine code against the tree in .baseline/ (a previous commit's manylora/engine/, manylora/kernels/, perf/, with this
   # tree's bench_decode_step.py and bench_moe_step.py copied in: same harness, old engine), each in its own
   # processes: the compiled engine tests first (AB_TESTS=1), the whole decode step with its kernels by GPU time,
   # the eager MoE step (AB_MOE=1), then this tree's engine at n=100 and base-only on the headline trace (AB_HEADLINE=1)

@@ -56,7 +56,7 @@ class Server:
     admin_key: str = ""  # the value of serve.ADMIN_HEADER that opens the restricted APIs
 
     def client(self):
-        from client import ManyLoraClient
+        from manylora.client import ManyLoraClient
 
         return ManyLoraClient(grpc_url=self.grpc_url, http_url=self.http_url, timeout=120)
 
@@ -130,7 +130,7 @@ def embedded_model() -> Path:
     given = os.environ.get("MANYLORA_E2E_MODEL")
     if given:
         return Path(given).resolve()
-    from backend.embedded.build import BuildParams, build_default, is_complete
+    from manylora.embedded.build import BuildParams, build_default, is_complete
 
     if is_complete(DEFAULT_BUILD, BuildParams()):  # `make default-model` was run: use that one
         return DEFAULT_BUILD
@@ -234,6 +234,6 @@ def client(server: Server):
 
 @pytest.fixture(scope="session")
 def tokenizer(model_dir: Path):
-    from backend.detokenize import load_tokenizer
+    from manylora.engine.requests.detokenize import load_tokenizer
 
     return load_tokenizer(model_dir / "base")

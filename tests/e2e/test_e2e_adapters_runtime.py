@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from client import ManyLoraError
+from manylora.client import ManyLoraError
 
 pytestmark = pytest.mark.e2e
 
@@ -27,7 +27,7 @@ def _sha(adapter_dir: str) -> str:
 
 
 def _cli(server, *args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "client", "--url", server.grpc_url, "--http-url", server.http_url, *args]
+    command = [sys.executable, "-m", "manylora.client", "--url", server.grpc_url, "--http-url", server.http_url, *args]
     return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
 
 

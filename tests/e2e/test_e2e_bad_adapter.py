@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from client import ManyLoraError
+from manylora.client import ManyLoraError
 
 pytestmark = pytest.mark.e2e
 

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _cli(server, *args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "client", "--url", server.grpc_url, "--http-url", server.http_url, *args]
+    command = [sys.executable, "-m", "manylora.client", "--url", server.grpc_url, "--http-url", server.http_url, *args]
     return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
 
 

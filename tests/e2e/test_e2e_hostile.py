@@ -11,7 +11,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from test_e2e_attacks import stream_error
 
-from client import ManyLoraError
+from manylora.client import ManyLoraError
 
 pytestmark = pytest.mark.e2e
 

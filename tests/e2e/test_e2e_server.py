@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from client import ManyLoraError
+from manylora.client import ManyLoraError
 
 pytestmark = pytest.mark.e2e
 

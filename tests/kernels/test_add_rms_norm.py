@@ -6,8 +6,8 @@ import pytest
 import torch
 from rounding import to_bf16_as_kernels_round
 
-from kernels.add_rms_norm import add_rms_norm
-from kernels.reference import ref_add_rms_norm
+from manylora.kernels.add_rms_norm import add_rms_norm
+from manylora.kernels.reference import ref_add_rms_norm
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,4 +1,5 @@
-"""The decode graphs' step (backend/cuda_graphs.py) run eagerly on the CPU: ``DecodeGraphs.run_eager`` is the forward
+"""The decode graphs' step (manylora/engine/execution/cuda_graphs.py) run eagerly on the CPU:
+``DecodeGraphs.run_eager`` is the forward
 a graph captures, over the same padded buffers and adapter tables, with no graph, under the Triton interpreter.
 
 It covers what the CPU never reaches otherwise: the graphs' buffer filling, and for ``decode_lora_kernels`` "sgmv" and
@@ -12,10 +13,10 @@ import random
 
 import pytest
 
-from backend.config import EngineConfig
-from backend.cuda_graphs import DecodeGraphs
-from backend.engine import Engine
-from backend.unified_pool import ReservedPage
+from manylora.engine.config import EngineConfig
+from manylora.engine.execution.cuda_graphs import DecodeGraphs
+from manylora.engine.memory.unified_pool import ReservedPage
+from manylora.engine.scheduling.engine import Engine
 from model_factory import assert_generations_match_peft, assert_pool_drained, make_base, write_random_adapter
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

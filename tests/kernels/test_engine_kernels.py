@@ -10,10 +10,10 @@ import random
 
 import pytest
 
-from backend.config import EngineConfig
-from backend.engine import Engine
-from backend.offline import generate
-from backend.request import GenerationRequest, SamplingParams
+from manylora.engine.config import EngineConfig
+from manylora.engine.requests.types import GenerationRequest, SamplingParams
+from manylora.engine.scheduling.engine import Engine
+from manylora.engine.scheduling.offline import generate
 from model_factory import (
     assert_generations_match_peft,
     assert_pool_drained,
@@ -67,7 +67,7 @@ def test_deferred_expand_matches_peft(tmp_path, device, family, monkeypatch):
     """Every expand of the small steps deferred (as captured decode steps defer them, here forced in eager steps):
     q/k/v's LoRA term added by the RoPE + KV write kernel (Qwen3: before its q/k norm), o_proj's and down_proj's by
     the residual add + RMSNorm, gate/up's by silu * up; mixed adapters, ranks and base-only rows, against PEFT."""
-    from backend.lora_batch import LoraBatch
+    from manylora.engine.layers.lora_batch import LoraBatch
 
     deferred: list[tuple[int, ...]] = []
     expand_deferred = LoraBatch.expand_deferred
@@ -102,7 +102,7 @@ def test_deferred_expand_matches_peft(tmp_path, device, family, monkeypatch):
 
 def _count_skinny_gemm_rows(monkeypatch) -> list[int]:
     """The rows of every split-K base GEMM launched from now on (the kernel itself still runs)."""
-    import kernels.skinny_gemm as skinny_gemm
+    import manylora.kernels.skinny_gemm as skinny_gemm
 
     rows_seen: list[int] = []
     launch = skinny_gemm.skinny_linear
@@ -147,7 +147,7 @@ def test_auto_base_gemm_matches_peft(tmp_path, device, monkeypatch):
     """base_gemm "auto": the split-K kernel only in CUDA-graph steps with adapters (their warm-ups included, which
     make its workspaces outside the capture), each shrink captured after its GEMM; eager steps (all of them on the
     CPU) and base-only graphs keep F.linear. Generations equal PEFT's either way."""
-    from backend.models.llama import AUTO_TRITON_MAX_ROWS
+    from manylora.engine.models.llama import AUTO_TRITON_MAX_ROWS
 
     rows_seen = _count_skinny_gemm_rows(monkeypatch)
     base = make_base(tmp_path / "base", "llama", seed=36)
@@ -177,7 +177,8 @@ def test_auto_base_gemm_matches_peft(tmp_path, device, monkeypatch):
 def test_cuda_graph_replay_equals_eager(tmp_path, device, decode_lora, gemm_blas, sm_carveout, group_carveouts):
     """Decode steps replayed from CUDA graphs give exactly the eager kernel path's tokens (GPU only); with "sgmv" and
     "hybrid" the graphs group the tokens by adapter on the device at every replay; with an SM carveout their base
-    GEMMs leave SMs to the LoRA kernels and each shrink is captured after its GEMM (backend/decode_gemms.py), per
+    GEMMs leave SMs to the LoRA kernels and each shrink is captured after its GEMM
+    (manylora/engine/layers/decode_gemms.py), per
     projection group where ``decode_gemm_group_carveouts`` says."""
     if device != "cuda":
         pytest.skip("CUDA graphs need a GPU (run with TRITON_INTERPRET=0)")
@@ -249,7 +250,7 @@ def test_moe_cuda_graph_replay_equals_eager(tmp_path, device):
 
 
 def test_warm_up_runs_the_kernel_path_and_gives_every_page_back(tmp_path, device):
-    from backend.warmup import step_sizes, warm_up
+    from manylora.engine.execution.warmup import step_sizes, warm_up
 
     base = make_base(tmp_path / "base", "llama", seed=35)
     engine = Engine(EngineConfig(model_dir=str(base), device=device, dtype="float32", kernels="triton",
@@ -275,7 +276,7 @@ def test_warm_up_runs_the_kernel_path_and_gives_every_page_back(tmp_path, device
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_moe_kernel_path_matches_peft(tmp_path, device, family, monkeypatch):
     """Experts and their LoRA through the fused MoE-LoRA kernels inside the engine, against PEFT."""
-    import kernels.fused_moe_lora as fused
+    import manylora.kernels.fused_moe_lora as fused
     from model_factory import make_moe_adapter, make_moe_base
 
     calls = {"with_lora": 0, "without": 0}

@@ -16,11 +16,11 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from lora_cases import seed_of, token_slots_for  # noqa: E402
 
-from kernels.fused_moe import fused_moe, fused_moe_gemm, moe_gemm_config  # noqa: E402
-from kernels.fused_moe_lora import MoeLora, fused_moe_lora_forward  # noqa: E402
-from kernels.moe_align import moe_align_block_size, virtual_expert_ids  # noqa: E402
-from kernels.moe_lora_blocks import moe_lora_expand, moe_lora_shrink  # noqa: E402
-from kernels.reference import ref_fused_moe, ref_fused_moe_lora  # noqa: E402
+from manylora.kernels.fused_moe import fused_moe, fused_moe_gemm, moe_gemm_config  # noqa: E402
+from manylora.kernels.fused_moe_lora import MoeLora, fused_moe_lora_forward  # noqa: E402
+from manylora.kernels.moe_align import moe_align_block_size, virtual_expert_ids  # noqa: E402
+from manylora.kernels.moe_lora_blocks import moe_lora_expand, moe_lora_shrink  # noqa: E402
+from manylora.kernels.reference import ref_fused_moe, ref_fused_moe_lora  # noqa: E402
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 RANK_CHOICES = (2, 4, 8)
@@ -280,7 +280,7 @@ def test_no_lora_is_fused_moe_exactly(device, num_tokens, top_k):
 def test_lora_form_default_and_errors(device, monkeypatch):
     """Decode-sized batches take the pair form, larger ones the block form; the env var forces one; both give the
     reference's result on a batch past the threshold."""
-    from kernels import fused_moe_lora as fml
+    from manylora.kernels import fused_moe_lora as fml
 
     assert fml._default_form(fml.PAIR_FORM_MAX_PAIRS) == "pairs"
     assert fml._default_form(fml.PAIR_FORM_MAX_PAIRS + 1) == "blocks"
@@ -330,7 +330,7 @@ def test_shrink_split_k(device, split_k, block_k):
 def test_pair_shrink_split_k_and_untouched_rows(device, split_k, block_k):
     """The pair form: split-K parts add up (zeroed by the launcher), one split overwrites garbage; slot -1 pairs
     and entries past a slot's rank are left as they were, and the expand leaves slot -1 rows alone."""
-    from kernels.moe_lora_pairs import moe_lora_expand_pairs, moe_lora_shrink_pairs
+    from manylora.kernels.moe_lora_pairs import moe_lora_expand_pairs, moe_lora_shrink_pairs
 
     case = make_case(seed_of("pairs", split_k, block_k), 5, 4, 2, 48, 40, "some_none", device, num_slices13=2)
     lo = case.lora
@@ -430,10 +430,10 @@ def test_lengths_not_specialised():
     """Token counts must not be compile-time specialised (one compile serves every batch size)."""
     import inspect
 
-    from kernels import fused_moe as fm
-    from kernels import fused_moe_lora as fml
-    from kernels import moe_lora_blocks as blocks
-    from kernels import moe_lora_pairs as pairs
+    from manylora.kernels import fused_moe as fm
+    from manylora.kernels import fused_moe_lora as fml
+    from manylora.kernels import moe_lora_blocks as blocks
+    from manylora.kernels import moe_lora_pairs as pairs
 
     for mod in (fm, fml, blocks, pairs):
         src = inspect.getsource(mod)

@@ -1,4 +1,5 @@
-"""backend/lora_batch.py on the kernel path: one zeroed shrink scratch per forward, and graph-mode batches whose
+"""manylora/engine/layers/lora_batch.py on the kernel path: one zeroed shrink scratch per forward, and graph-mode
+batches whose
 segments are rebuilt on the device at every forward (what a CUDA-graph replay sees)."""
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ def test_lora_batch_shrink_scratch(device):
     """LoraBatch's kernel path: the shrink outputs of a forward share one buffer zeroed by begin_forward (the
     split-K partial sums add into it), and a second forward over the same batch (a CUDA graph replay) starts
     from zeros again: both forwards, both layers give the dense result."""
-    from backend.lora_batch import LoraBatch
-    from kernels.lora_config import shrink_config
+    from manylora.engine.layers.lora_batch import LoraBatch
+    from manylora.kernels.lora_config import shrink_config
 
     case = make_case(seed_of("scratch"), 17, 130, [40, 24], "some_none", device)
     assert shrink_config(17, 130, 16, segmented=False, num_slices=2)["SPLIT_K"] > 1, "the K splits add atomically"
@@ -50,8 +51,8 @@ def test_lora_batch_shrink_scratch(device):
 def test_lora_batch_deferred_expand(device, monkeypatch):
     """``expand_deferred``: the LoRA term alone in a new fp32 buffer (zero for base-only tokens), which added to the
     base output gives what the in-place expand gives; deferred only on the BGMV path and under the buffer cap."""
-    import backend.lora_batch as lora_batch
-    from backend.lora_batch import LoraBatch
+    import manylora.engine.layers.lora_batch as lora_batch
+    from manylora.engine.layers.lora_batch import LoraBatch
 
     case = make_case(seed_of("deferred"), 13, 72, [40, 24], "some_none", device, align=4)
     row_offsets, ranks, scalings = step_tables(case, 1, device)
@@ -88,7 +89,7 @@ def test_lora_batch_device_segments(device, decode_form):
     tokens by slot on the device from the token_slots tensor as it is then, so a second forward after the slots
     were refilled in place (what a CUDA-graph replay sees) serves the new assignment, every layer equal to the
     dense result."""
-    from backend.lora_batch import LoraBatch
+    from manylora.engine.layers.lora_batch import LoraBatch
 
     case = make_case(seed_of("device-segments"), 21, 136, [40, 24], "some_none", device)
     num_layers = 2
@@ -135,9 +136,9 @@ def test_side_stream_waits_after_the_tables_it_reads(device, monkeypatch, decode
     H200: perf/results/2026-12-02-h200/31_race_ab.)"""
     import contextlib
 
-    import backend.lora_batch as lora_batch
-    from backend.lora_batch import LoraBatch
-    from kernels.lora_meta import SegmentMeta
+    import manylora.engine.layers.lora_batch as lora_batch
+    from manylora.engine.layers.lora_batch import LoraBatch
+    from manylora.kernels.lora_meta import SegmentMeta
 
     log: list[str] = []
     main, side = _RecordingStream("main", log), _RecordingStream("side", log)

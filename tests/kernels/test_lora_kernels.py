@@ -25,10 +25,10 @@ from lora_cases import (  # noqa: E402
     seed_of,
 )
 
-from kernels.lora_expand import lora_expand  # noqa: E402
-from kernels.lora_meta import build_segments, build_segments_on_device  # noqa: E402
-from kernels.lora_shrink import lora_shrink  # noqa: E402
-from kernels.reference import ref_lora_expand, ref_lora_shrink  # noqa: E402
+from manylora.kernels.lora_expand import lora_expand  # noqa: E402
+from manylora.kernels.lora_meta import build_segments, build_segments_on_device  # noqa: E402
+from manylora.kernels.lora_shrink import lora_shrink  # noqa: E402
+from manylora.kernels.reference import ref_lora_expand, ref_lora_shrink  # noqa: E402
 
 
 def expected_shrink(case: LoraCase) -> torch.Tensor:
@@ -227,10 +227,11 @@ def test_chain_matches_dense(device, segmented):
 def test_prepared_launch_serves_every_layer(device, segmented):
     """A launch prepared once (as a step does for its first layer) and launched for other layers' tensors (fresh
     inputs, other views of the tables, other outputs) gives each layer its own result. Compiled, launches after the
-    first with the same argument signature skip Triton's dispatch (kernels/relaunch.py): they must still launch the
+    first with the same argument signature skip Triton's dispatch (manylora/kernels/relaunch.py): they must still
+    launch the
     right kernel."""
-    from kernels.lora_expand import prepare_expand
-    from kernels.lora_shrink import prepare_shrink
+    from manylora.kernels.lora_expand import prepare_expand
+    from manylora.kernels.lora_shrink import prepare_shrink
 
     case = make_case(seed_of("prepared", segmented), 23, 136, [96, 32, 32], "some_none", device)
     layers = 4
@@ -287,7 +288,7 @@ def test_small_blocks(device, shrink_cfg, expand_cfg, segmented, dist):
 )
 def test_shrink_config_decode(num_tokens, in_features, num_slices, max_rank):
     """Decode shapes: enough programs to fill the GPU, K tiles of 128..512, splits that divide K evenly."""
-    from kernels.lora_config import NUM_SMS, shrink_config
+    from manylora.kernels.lora_config import NUM_SMS, shrink_config
 
     cfg = shrink_config(num_tokens, in_features, max_rank, segmented=False, num_slices=num_slices)
     assert 128 <= cfg["BLOCK_K"] <= 512
@@ -302,7 +303,7 @@ def test_expand_config_decode(max_out, num_slices):
     """The BGMV expand's heuristic at the Llama-3-8B projections: the tile body for launches of at most 131,072
     output elements, the row body above with 16-byte-wide rows per thread (BLOCK_N a multiple of 256 a warp), and a
     handful of variants over every token count a step can have (each variant is one compile, not one per size)."""
-    from kernels.lora_config import expand_config
+    from manylora.kernels.lora_config import expand_config
 
     variants = set()
     for num_tokens in range(1, 4097):

@@ -1,4 +1,4 @@
-"""Segment tables of the segmented LoRA kernels (kernels/lora_meta.py): built on the host and, in fixed shapes,
+"""Segment tables of the segmented LoRA kernels (manylora/kernels/lora_meta.py): built on the host and, in fixed shapes,
 on the device (what a CUDA-graph decode step captures)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from lora_cases import DISTS, seed_of, token_slots_for  # noqa: E402
 
-from kernels.lora_meta import build_segments, build_segments_on_device  # noqa: E402
+from manylora.kernels.lora_meta import build_segments, build_segments_on_device  # noqa: E402
 
 
 @pytest.mark.parametrize("dist", DISTS)

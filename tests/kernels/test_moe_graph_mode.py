@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-from backend.adapter_packing import _layout
-from backend.kv_cache import PagedKVCache
-from backend.lora_batch import LoraBatch, moe_lora_expressible
-from backend.sizing import synthetic_spec
-from backend.unified_pool import UnifiedPool, page_elements
+from manylora.engine.adapters.packing import _layout
+from manylora.engine.layers.lora_batch import LoraBatch, moe_lora_expressible
+from manylora.engine.memory.kv_cache import PagedKVCache
+from manylora.engine.memory.sizing import synthetic_spec
+from manylora.engine.memory.unified_pool import UnifiedPool, page_elements
 from perf.bench_moe_step import SHAPES, decode_batch, random_model, synthetic_adapters, write_config
 
 
@@ -73,7 +73,7 @@ def test_decode_graphs_serve_only_expressible_adapters():
     of its adapters in every layer (checked once per adapter); a dense base serves everything."""
     from types import SimpleNamespace
 
-    from backend.cuda_graphs import DecodeGraphs
+    from manylora.engine.execution.cuda_graphs import DecodeGraphs
 
     layers, experts = 2, 3
 

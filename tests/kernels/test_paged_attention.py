@@ -15,8 +15,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (con
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels.paged_attention import paged_decode_attention  # noqa: E402
-from kernels.reference import ref_paged_decode_attention  # noqa: E402
+from manylora.kernels.paged_attention import paged_decode_attention  # noqa: E402
+from manylora.kernels.reference import ref_paged_decode_attention  # noqa: E402
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 
@@ -198,7 +198,7 @@ def test_context_splits_with_table_rows(device):
 def test_split_count_follows_the_batch(monkeypatch):
     """attention_splits: the largest power of two that keeps the programs within two per SM, capped; one split
     from half that many programs up; the CPU never splits; MANYLORA_ATTENTION_SPLITS's override wins."""
-    from kernels import paged_attention as pa
+    from manylora.kernels import paged_attention as pa
 
     gpu = torch.device("cuda", 0)
     monkeypatch.setitem(pa._SM_COUNTS, gpu, 132)  # the H200's; no GPU needed to ask
@@ -218,7 +218,7 @@ def test_split_count_follows_the_batch(monkeypatch):
 def test_launch_without_config_takes_the_chosen_splits(device, monkeypatch):
     """With no config the launch splits as attention_splits says (here forced to 3 by the override), merging once:
     the default block sizes must not pin the one-pass kernel."""
-    from kernels import paged_attention as pa
+    from manylora.kernels import paged_attention as pa
 
     launched = []
     real = pa.relauncher

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import ref_rope_kv_write
-from kernels.rope_kv import rope_kv_write
+from manylora.kernels.reference import ref_rope_kv_write
+from manylora.kernels.rope_kv import rope_kv_write
 
 
 def bf16_steps(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor) -> float:

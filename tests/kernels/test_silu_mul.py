@@ -6,8 +6,8 @@ import pytest
 import torch
 from rounding import to_bf16_as_kernels_round
 
-from kernels.reference import ref_silu_mul
-from kernels.silu_mul import silu_mul
+from manylora.kernels.reference import ref_silu_mul
+from manylora.kernels.silu_mul import silu_mul
 
 
 def bf16_steps(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import ref_skinny_linear
-from kernels.skinny_gemm import gemm_config, skinny_linear
+from manylora.kernels.reference import ref_skinny_linear
+from manylora.kernels.skinny_gemm import gemm_config, skinny_linear
 
 
 def _inputs(gen, rows, out_features, in_features, dtype, bias, row_pad=0):
@@ -58,7 +58,7 @@ def test_every_k_split_and_block_shape_gives_the_same_product(device, split, blo
 def test_shapes_of_one_model_launch_after_each_other_without_mixing_their_counters(device):
     """Two shapes interleaved (as q/k/v and o are in every layer), each split, and batches of 12, 9 and 16 rows (one
     row bucket: they share a workspace, as eager steps of changing sizes do)."""
-    from kernels import skinny_gemm
+    from manylora.kernels import skinny_gemm
 
     gen = torch.Generator().manual_seed(5)
     cases = [_inputs(gen, rows, *shape, torch.float32, bias)
@@ -72,7 +72,7 @@ def test_shapes_of_one_model_launch_after_each_other_without_mixing_their_counte
 
 
 def test_heuristic_covers_the_batch_and_splits_k_only_where_the_partials_are_cheap():
-    from kernels.skinny_gemm import MAX_PARTIAL_TRAFFIC
+    from manylora.kernels.skinny_gemm import MAX_PARTIAL_TRAFFIC
 
     for rows in (1, 7, 16, 64, 128):
         for out_features, in_features in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
@@ -90,7 +90,7 @@ def test_heuristic_covers_the_batch_and_splits_k_only_where_the_partials_are_che
 
 def test_heuristic_pipeline_fits_the_shared_memory():
     """The H200 refused 4 stages of 128 x 128 fp32 tiles (240 KB of 227): the stage count follows the operand size."""
-    from kernels.skinny_gemm import PIPELINE_SHARED_BYTES, pipeline_stages
+    from manylora.kernels.skinny_gemm import PIPELINE_SHARED_BYTES, pipeline_stages
 
     for element_size in (2, 4):
         for rows in (1, 64, 128, 130, 300):

@@ -1,4 +1,5 @@
-"""Mixed-step graphs (backend/step_graphs.py): prefill chunks and decodes in one padded, graph-shaped step.
+"""Mixed-step graphs (manylora/engine/execution/step_graphs.py): prefill chunks and decodes in one padded,
+graph-shaped step.
 
 On the CPU (Triton interpreter) the engine's mixed steps go through ``MixedStepGraphs.run_eager``: the forward a
 graph captures, over the same padded buffers (bucket padding, per-token block-table rows, logits rows, adapter
@@ -12,10 +13,10 @@ import random
 
 import pytest
 
-from backend.config import EngineConfig
-from backend.engine import Engine
-from backend.step_graphs import MixedInputs, MixedStepGraphs, token_buckets
-from backend.unified_pool import ReservedPage
+from manylora.engine.config import EngineConfig
+from manylora.engine.execution.step_graphs import MixedInputs, MixedStepGraphs, token_buckets
+from manylora.engine.memory.unified_pool import ReservedPage
+from manylora.engine.scheduling.engine import Engine
 from model_factory import assert_generations_match_peft, assert_pool_drained, make_base, write_random_adapter
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from backend.observer import AdapterLabels
+from manylora.engine.scheduling.observer import AdapterLabels
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]

@@ -5,7 +5,7 @@ thread calls emit() for every chunk, and emit() sends it on the request's respon
 (FINAL on the last). Errors are per request: one bad request never fails its batch.
 
 Request tensors (and Triton request parameters) become a GenerationRequest in
-backend/request_parsing.py (plain Python, fuzzed). Control requests (`control` = JSON):
+manylora/engine/requests/parsing.py (plain Python, fuzzed). Control requests (`control` = JSON):
 list_adapters, stats, load_adapter, unload_adapter, cancel; load/unload need
 MANYLORA_ALLOW_RUNTIME_ADAPTERS=1 in the server's environment (the engine's RequestError code
 and message come back as the Triton error otherwise).
@@ -36,12 +36,12 @@ import triton_python_backend_utils as pb_utils
 from generator_metrics import MetricsObserver, StatsPoller
 from generator_metrics import close as close_metrics
 
-from backend.devices import instance_device
-from backend.engine_process import EngineFailedToStart, EngineLaunch, EngineProcess
-from backend.errors import ErrorCode, RequestError
-from backend.request import GenerationOutput
-from backend.request_parsing import decode_text, parse_control, parse_generation
-from backend.response_tensors import is_requested, output_arrays
+from manylora.engine.devices import instance_device
+from manylora.engine.errors import ErrorCode, RequestError
+from manylora.engine.requests.parsing import decode_text, parse_control, parse_generation
+from manylora.engine.requests.response_tensors import is_requested, output_arrays
+from manylora.engine.requests.types import GenerationOutput
+from manylora.engine.scheduling.engine_process import EngineFailedToStart, EngineLaunch, EngineProcess
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # config.pbtxt parameters that are not EngineConfig fields: the checkpoint, the catalogue, the
@@ -263,7 +263,7 @@ def _adapter_name(inputs: dict) -> str | None:
 
 class _Emitter:
     """emit() for one request: called from the engine thread with each GenerationOutput; sends only
-    the outputs the request asked for (backend/response_tensors.py says why), and for a keepalive
+    the outputs the request asked for (manylora/engine/requests/response_tensors.py says why), and for a keepalive
     request its key on every response and a response of the key alone for each heartbeat.
 
     A keepalive request's error after earlier responses goes out with care: in Triton 2.51 an error

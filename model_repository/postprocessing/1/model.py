@@ -16,7 +16,7 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from backend.detokenize import decode_chunk, tokenizer_from_parameters
+from manylora.engine.requests.detokenize import decode_chunk, tokenizer_from_parameters
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 GENERATOR = "generator"

@@ -1,6 +1,6 @@
 """preprocessing: text_input -> input_ids with the checkpoint's tokenizer.json.
 
-A prompt that cannot fit the context is refused before it is tokenized whole (backend/prompt_guard.py),
+A prompt that cannot fit the context is refused before it is tokenized whole (manylora/engine/requests/prompt_guard.py),
 so one huge text cannot hold the tokenizer while other requests wait. A request refused here is not
 answered with an error: its `refusal` output (the message) goes on to the generator, which refuses it
 there, so that every refusal is counted in one place (the engine's stats and the manylora metrics).
@@ -15,10 +15,10 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from backend.detokenize import tokenizer_from_parameters
-from backend.errors import RequestError
-from backend.model_config import ModelConfig
-from backend.prompt_guard import PromptGuard
+from manylora.engine.errors import RequestError
+from manylora.engine.model_config import ModelConfig
+from manylora.engine.requests.detokenize import tokenizer_from_parameters
+from manylora.engine.requests.prompt_guard import PromptGuard
 
 TRIM_AFTER_BYTES = 1 << 20  # after a request this large, hand freed heap memory back to the system
 

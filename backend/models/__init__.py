@@ -1,1 +1,0 @@
-"""Model families the engine can serve."""

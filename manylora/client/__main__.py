@@ -1,0 +1,5 @@
+import sys
+
+from manylora.client.cli import main
+
+sys.exit(main())
