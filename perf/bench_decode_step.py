@@ -26,8 +26,8 @@ import torch
 from manylora.engine.adapters.packing import PackedAdapter, _layout
 from manylora.engine.adapters.spec import AdapterSpec
 from manylora.engine.config import BASE_GEMMS, DECODE_BLAS, EngineConfig, check_decode_form_name
-from manylora.engine.layers import lora_batch
 from manylora.engine.execution.cuda_graphs import DecodeGraphs, DecodeInputs
+from manylora.engine.layers import lora_batch
 from manylora.engine.layers.decode_gemms import MEASURED_SMS, parse_carveout, sm_carveout_for
 from manylora.engine.memory.adapter_slots import AdapterPool
 from manylora.engine.memory.kv_cache import PagedKVCache
