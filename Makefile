@@ -14,6 +14,7 @@ ADAPTERS     ?=
 HTTP_PORT    ?= 8000
 GRPC_PORT    ?= 8001
 METRICS_PORT ?= 8002
+TEST_WORKERS ?= 2
 
 # Engine knobs (empty: the engine's default); passed to the generator's config.pbtxt.
 DEVICE                 ?=
@@ -64,7 +65,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON_SYS) -m venv $(VENV)
 	$(PIP) install --no-cache-dir --upgrade pip
 	$(PIP) install --no-cache-dir torch==2.13.0 numpy==1.26.4 transformers==5.24.0 peft==0.21.2 safetensors tokenizers triton \
-	  "tritonclient[grpc,http]>=2.52" pytest pytest-timeout hypothesis ruff locust matplotlib tqdm
+	  "tritonclient[grpc,http]>=2.52" pytest pytest-timeout pytest-xdist hypothesis ruff locust matplotlib tqdm
 	$(PIP) install --no-cache-dir --no-deps nvidia-pytriton==0.7.0
 	$(PIP) install --no-deps -e .
 	@touch $@
@@ -77,7 +78,7 @@ serve: venv $(SERVE_DEPS)
 	  --metrics-port $(METRICS_PORT) $(ENGINE_PARAMS)
 
 test: venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 	$(VENV)/bin/ruff check .
 
 lint: venv

@@ -8,6 +8,7 @@ MANYLORA_E2E_MODEL=<dir with base/ and catalogue.json> serves another build inst
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -134,7 +135,10 @@ def embedded_model() -> Path:
 
     if is_complete(DEFAULT_BUILD, BuildParams()):  # `make default-model` was run: use that one
         return DEFAULT_BUILD
-    return build_default(E2E_BUILD, steps=E2E_STEPS, adapter_steps=E2E_ADAPTER_STEPS, summary=False)
+    E2E_BUILD.parent.mkdir(parents=True, exist_ok=True)
+    with open(E2E_BUILD.parent / "e2e.lock", "w") as lock:  # parallel test workers build it once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return build_default(E2E_BUILD, steps=E2E_STEPS, adapter_steps=E2E_ADAPTER_STEPS, summary=False)
 
 
 @pytest.fixture(scope="session")
