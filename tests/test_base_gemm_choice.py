@@ -8,8 +8,8 @@ import torch
 import manylora.kernels.skinny_gemm as skinny_gemm
 from manylora.engine.model_config import ModelConfig
 from manylora.engine.models.llama import AUTO_TRITON_MAX_ROWS
-from perf.bench_decode_step import random_model
-from perf.shapes import SHAPES
+from perf.engine.bench_decode_step import random_model
+from perf.engine.shapes import SHAPES
 
 
 @pytest.mark.parametrize("base_gemm, capture, rows, triton", [

@@ -1,11 +1,11 @@
-"""perf/bench_decode_step.py's floor: the base weights a decode step reads (CPU, a tiny random model)."""
+"""perf/engine/bench_decode_step.py's floor: the base weights a decode step reads (CPU, a tiny random model)."""
 
 import pytest
 import torch
 
 from manylora.engine.model_config import ModelConfig
-from perf.bench_decode_step import random_model, step_weight_bytes
-from perf.shapes import SHAPES
+from perf.engine.bench_decode_step import random_model, step_weight_bytes
+from perf.engine.shapes import SHAPES
 
 
 @pytest.mark.parametrize("tied", [False, True])

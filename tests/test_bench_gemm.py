@@ -1,8 +1,8 @@
 """The GEMM benchmark times the shapes the model runs (its shapes come from the model's config)."""
 
 from manylora.engine.model_config import ModelConfig
-from perf.bench_gemm import gemm_shapes
-from perf.shapes import SHAPES
+from perf.engine.shapes import SHAPES
+from perf.kernels.bench_gemm import gemm_shapes
 
 
 def test_llama3_8b_gemm_shapes():

@@ -1,4 +1,4 @@
-"""perf/capacity.py end to end on the tiny shape: the in-process engine and the real tritonserver (streaming and
+"""perf/capacity/ end to end on the tiny shape: the in-process engine and the real tritonserver (streaming and
 non-streaming) on the same requests, offline and in a short open-loop sweep, then a short soak.
 
 One run of the command (about a minute on two CPU cores) feeds every test here; they read what it wrote.

@@ -19,8 +19,8 @@ import pytest
 # `pytest` started as a script does not put the repository on sys.path (`python -m pytest` does)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from perf.capacity_clients import RunSpec, SendSpec, _text_of_bytes_tensor, build_request, prompt_text
-from perf.capacity_metrics import (
+from perf.capacity.clients import RunSpec, SendSpec, _text_of_bytes_tensor, build_request, prompt_text
+from perf.capacity.metrics import (
     KNEE_MAX_TTFT_P99_S,
     UNFINISHED,
     CapacityRecord,
@@ -34,16 +34,16 @@ from perf.capacity_metrics import (
     summarize_offline,
     summarize_sweep_point,
 )
-from perf.capacity_report import Store, merge_stores, offline_rows, sweeps, token_identity
-from perf.capacity_requests import (
+from perf.capacity.report import Store, merge_stores, offline_rows, sweeps, token_identity
+from perf.capacity.requests import (
     CapacityRequest,
     RequestSetConfig,
     build_requests,
     poisson_offsets,
     poisson_schedule,
 )
-from perf.capacity_runs import Budget
-from perf.capacity_soak import process_label, process_tree, rss_bytes, summarize_memory
+from perf.capacity.runs import Budget
+from perf.capacity.soak import process_label, process_tree, rss_bytes, summarize_memory
 
 
 class SeededRng:
@@ -293,7 +293,7 @@ def test_budget():
 def _offline(target: str, n: int, rps: float) -> dict:
     from dataclasses import asdict
 
-    from perf.capacity_metrics import OfflineResult
+    from perf.capacity.metrics import OfflineResult
 
     return asdict(OfflineResult(target, n, 10, 10, 10, 0, 10 / rps, rps, 100 * rps, 1000, False,
                                 meta={"max_loras": 8} if target.startswith("vllm") else {}))
@@ -381,7 +381,7 @@ def test_build_request_has_the_batch_dimension():
 def test_prompt_text_round_trips_through_the_checkpoint_tokenizer(tmp_path, rng):
     from tokenizers import Tokenizer
 
-    from perf.checkpoint import write_tokenizer
+    from perf.engine.checkpoint import write_tokenizer
 
     write_tokenizer(tmp_path, 512)
     ids = tuple(int(i) for i in rng.integers(4, 512, int(rng.integers(1, 100))))

@@ -1,4 +1,4 @@
-"""What the kernels compile to for the H200 (sm_90), checked without a GPU (perf/compile_report.py).
+"""What the kernels compile to for the H200 (sm_90), checked without a GPU (perf/kernels/compile_report.py).
 
 The LoRA and attention kernels are bound by memory bandwidth: a bf16 stream read two bytes per instruction (what
 Triton emits when it cannot prove 16-byte alignment or a mask constant over a vector) costs them a large share of
@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from perf.compile_report import _memory_instructions
+from perf.kernels.compile_report import _memory_instructions
 
 ROOT = Path(__file__).resolve().parents[1]
 
 COMPILE = r"""
 import json, sys
 from dataclasses import asdict
-import perf.compile_report as cr
+import perf.kernels.compile_report as cr
 
 with cr.compile_only() as reports:
     cr.lora_launches(64, 16, 16, segmented=False)

@@ -1,8 +1,8 @@
-"""perf/kernel_table.py: the side-by-side table the H200 scripts print from bench_kernels.py's JSON lines."""
+"""perf/kernels/kernel_table.py: the side-by-side table the H200 scripts print from bench_kernels.py's JSON lines."""
 
 import json
 
-from perf.kernel_table import rows
+from perf.kernels.kernel_table import rows
 
 
 def _write(path, records):

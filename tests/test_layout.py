@@ -7,6 +7,7 @@ Imports are read from the source (imports under ``if TYPE_CHECKING:`` are annota
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -114,3 +115,20 @@ def test_kernels_know_nothing_of_the_engine_and_the_engine_nothing_of_the_server
         if concern == "client":  # a client of the server; its planner uses the engine's sizing math and dtypes
             assert all(_concern(d) in ("client", "engine", "memory", "models") for d in deps
                        if d.startswith("manylora.")), module
+
+
+def test_perf_is_grouped_and_its_gpu_entry_point_starts_on_the_standard_library():
+    """perf/ holds its tools in groups, none loose; ``python -m perf.device`` starts with the standard library alone
+    (it runs on a GPU machine's python3 before the server's venv exists; torch and the rest load in its steps)."""
+    perf = REPO / "perf"
+    assert {p.name for p in perf.glob("*.py")} == {"__init__.py"}
+    assert {p.name for p in perf.iterdir() if (p / "__init__.py").is_file()} == {
+        "workload", "kernels", "engine", "capacity", "server", "peers", "device"}
+    for path in (perf / "device").glob("*.py"):
+        for node in ast.parse(path.read_text()).body:  # module level only
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            for name in names:
+                top = name.split(".")[0]
+                assert top in sys.stdlib_module_names or name.startswith("perf.device") or top == "__future__", \
+                    f"{path.name} imports {name} at module level"

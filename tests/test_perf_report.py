@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from perf.records import RequestRecord, read_records, write_records
-from perf.report import markdown_table, percentile, read_summary, summarize, write_run
+from perf.workload.records import RequestRecord, read_records, write_records
+from perf.workload.report import markdown_table, percentile, read_summary, summarize, write_run
 
 
 def _record(i, send, chunks, end=None, error=None):

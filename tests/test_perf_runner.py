@@ -9,10 +9,10 @@ import pytest
 from manylora.engine.config import EngineConfig
 from manylora.engine.scheduling.engine import Engine
 from model_factory import make_base, write_random_adapter
-from perf.engine_target import EngineTarget
-from perf.report import Summary
-from perf.runner import run_target
-from perf.workload import WorkloadConfig, generate_trace
+from perf.engine.engine_target import EngineTarget
+from perf.workload.report import Summary
+from perf.workload.runner import run_target
+from perf.workload.trace import WorkloadConfig, generate_trace
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from perf.workload import WorkloadConfig, base_only, generate_trace, read_trace, with_token_ids, write_trace
+from perf.workload.trace import WorkloadConfig, base_only, generate_trace, read_trace, with_token_ids, write_trace
 
 
 def _ids(trace, prefix="lora-"):
@@ -63,7 +63,7 @@ def test_jsonl_round_trip(tmp_path):
 
 
 def test_cli(tmp_path):
-    from perf.workload import main
+    from perf.workload.trace import main
 
     out = tmp_path / "trace.jsonl"
     main(["--adapters", "7", "--rate", "3", "--duration", "10", "--input-range", "8", "16", "--out", str(out)])

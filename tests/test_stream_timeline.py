@@ -1,10 +1,10 @@
-"""perf/stream_timeline.py: a step's wall time cut into base work, LoRA work alone and gaps."""
+"""perf/engine/stream_timeline.py: a step's wall time cut into base work, LoRA work alone and gaps."""
 
 import random
 
 import pytest
 
-from perf.stream_timeline import KernelEvent, kernel_events, split_step_time
+from perf.engine.stream_timeline import KernelEvent, kernel_events, split_step_time
 
 
 def _chrome(events):

@@ -359,7 +359,7 @@ def test_page_count_equals_the_layout(shape):
     from manylora.engine.adapters.catalogue import AdapterSpec
     from manylora.engine.adapters.packing import _layout
     from manylora.engine.model_config import EXPERT_PARAMETERS
-    from perf.shapes import TINY
+    from perf.engine.shapes import TINY
 
     if shape == "mixtral":
         cfg = ModelConfig.from_dict({**TINY, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",

@@ -54,7 +54,7 @@ def _shrink_config_cached(
         block_k = min(block_k, k_cap)
         split = _split_k(in_features, block_k, base)
         return {"BLOCK_R": block_r, "BLOCK_K": block_k, "SPLIT_K": split, "num_warps": 4}
-    # measured on the H200 (perf/bench_sgmv_prefill.py --sweep, T = 4096, 8 adapters, rank 16): 32-row
+    # measured on the H200 (perf/kernels/bench_sgmv_prefill.py --sweep, T = 4096, 8 adapters, rank 16): 32-row
     # tiles and 64-wide K blocks without a K split beat 64 x 128 with 4 splits by 1.6x (q/k/v) and
     # 1.1x (gate/up); atomics cost more than the extra programs gain once there are ~NUM_SMS tiles
     block_m = sgmv_block_m(max_seg_len)
@@ -73,9 +73,9 @@ def shrink_config(*args, **kwargs) -> dict[str, int]:
 
 
 # BGMV expand launches of at most this many output elements (tokens x slices x widest slice) take the tile body:
-# measured on the H200 (perf/results/2026-12-01-h200/9_rows, perf/bench_kernels.py --sweep-expand, rank 16) the tile
-# was 0.5-0.7 us faster at 1 token (2.3-3.6 against 2.9-4.3 us) and for o / down at 16 tokens (3.8-4.0 against
-# 4.4-4.6), the row body faster from q/k/v and gate/up at 16 tokens (4.7 / 6.6 against 4.8 / 8.7 us) up
+# measured on the H200 (perf/results/2026-12-01-h200/9_rows, perf/kernels/bench_kernels.py --sweep-expand, rank 16)
+# the tile was 0.5-0.7 us faster at 1 token (2.3-3.6 against 2.9-4.3 us) and for o / down at 16 tokens (3.8-4.0
+# against 4.4-4.6), the row body faster from q/k/v and gate/up at 16 tokens (4.7 / 6.6 against 4.8 / 8.7 us) up
 _BGMV_EXPAND_TILE_MAX_ELEMENTS = 131072
 
 
@@ -109,7 +109,7 @@ def _expand_config_cached(
         block_n, warps = (256, 1) if num_tokens < 128 else (1024, 4)
         return {"ROWS": True, "BLOCK_R": min(16, triton.next_power_of_2(max(1, max_rank))),
                 "BLOCK_N": min(block_n, n_cap), "num_warps": warps}  # fmt: skip
-    # H200 sweep (perf/bench_sgmv_prefill.py --sweep, T = 4096, 8 adapters): 32 x 128 tiles, 4 warps
+    # H200 sweep (perf/kernels/bench_sgmv_prefill.py --sweep, T = 4096, 8 adapters): 32 x 128 tiles, 4 warps
     block_m = sgmv_block_m(max_seg_len)
     return {"BLOCK_M": block_m, "BLOCK_R": 16, "BLOCK_N": min(128, n_cap), "num_warps": 4}
 

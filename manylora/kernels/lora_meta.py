@@ -20,7 +20,7 @@ __all__ = ["SegmentMeta", "build_segments", "build_segments_on_device"]
 
 
 # the BLOCK_M values the launchers' heuristics choose (sgmv_block_m): 32-row tiles measured best on the H200
-# (perf/bench_sgmv_prefill.py --sweep); 16 when no segment is longer
+# (perf/kernels/bench_sgmv_prefill.py --sweep); 16 when no segment is longer
 TILE_BLOCK_MS = (16, 32)
 
 

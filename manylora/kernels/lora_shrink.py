@@ -16,7 +16,7 @@ Adapter rows live in the flat ``pool``: row k of A for slot s starts at pool ele
 ``a_row_offsets[slice, s, k]`` and is ``in_features`` long and contiguous. A program whose rows all
 start on 16 bytes (the engine's paged layout) takes a path where the compiler is told so and reads
 16 bytes an instruction; other layouts take the same code without the promise
-(``python -m perf.compile_report`` shows the instructions).
+(``python -m perf.kernels.compile_report`` shows the instructions).
 """
 
 from __future__ import annotations

@@ -195,7 +195,7 @@ def attention_config(group: int, head_dim: int, page_size: int) -> dict[str, int
 # programs, at every batch of 1-32 sequences (perf/results/2026-12-03-h200/1_splits/)
 PROGRAMS_PER_SM = 2
 MAX_SPLITS = 32
-# MANYLORA_ATTENTION_SPLITS=n: n splits at every batch size (1: never split; perf/bench_decode_step.py
+# MANYLORA_ATTENTION_SPLITS=n: n splits at every batch size (1: never split; perf/engine/bench_decode_step.py
 # --attention-splits times the choices); unset or "auto": attention_splits' choice
 _SPLITS_ENV = os.environ.get("MANYLORA_ATTENTION_SPLITS", "auto").strip().lower()
 if not (_SPLITS_ENV in ("", "auto") or (_SPLITS_ENV.isdigit() and int(_SPLITS_ENV) >= 1)):

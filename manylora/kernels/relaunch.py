@@ -2,7 +2,7 @@
 
 ``kernel[grid](*args, **meta)`` binds the arguments, specialises them, hashes a cache key, looks up
 the compiled kernel and checks the globals it used before it launches: about 65 us of host time a
-call on the H200 host (``perf.profile_engine --python-profile``), where the launch itself takes
+call on the H200 host (``perf.engine.profile_engine --python-profile``), where the launch itself takes
 about 20. An eager step of the 8B model launches ~400 Triton kernels (256 of them LoRA), and
 eager steps are bound by the host. A ``Relauncher`` goes through that dispatch for the first call
 with a given argument signature and keeps the compiled kernel it returns; later calls with the

@@ -13,8 +13,8 @@ precede a capture; a capture that would have to make one refuses instead).
 
 Opt-in (``EngineConfig.base_gemm = "triton"``): on the H200 it is slower than cuBLAS (perf/results/2026-12-01-h200/
 18_gemm: its best configs 0.95-0.97x at 64 rows; with a K split whose partials are 25% of the weight's bytes,
-0.5-0.67x). ``perf/bench_gemm.py`` times both per GEMM, ``perf/bench_decode_step.py --base-gemm torch,triton`` the
-whole step.
+0.5-0.67x). ``perf/kernels/bench_gemm.py`` times both per GEMM, ``perf/engine/bench_decode_step.py --base-gemm
+torch,triton`` the whole step.
 """
 
 from __future__ import annotations
@@ -107,7 +107,8 @@ def _skinny_gemm_kernel(
 
 # Shared memory the pipeline's stages may take (the H100 / H200 allow 227 KB a program; the epilogue's layout
 # conversion takes some of the rest). Compiled for sm_90, the 16-bit (wgmma) kernel keeps num_stages
-# [BLOCK_M, BLOCK_K] + [BLOCK_K, BLOCK_N] buffers (perf/compile_report.py: 160 KB for 64 x 64 x 128 at 5 stages).
+# [BLOCK_M, BLOCK_K] + [BLOCK_K, BLOCK_N] buffers (perf/kernels/compile_report.py: 160 KB for 64 x 64 x 128 at
+# 5 stages).
 PIPELINE_SHARED_BYTES = 192 * 1024
 MAX_STAGES = 5  # the H200 sweep's best at 64 rows (perf/results/2026-12-01-h200/18_gemm) took 5 of {3, 5}
 # A K split writes and reads back fp32 partials: at most this share of the weight's bytes (64 rows of q/k/v with

@@ -1,4 +1,4 @@
-"""perf/locustfile.py headless for a few seconds against the real server (loopback only)."""
+"""perf/server/locustfile.py headless for a few seconds against the real server (loopback only)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def test_locust_headless(server, tmp_path, transport):
     env = {**os.environ, "MANYLORA_TRANSPORT": transport, "MANYLORA_GRPC_URL": server.grpc_url,
            "MANYLORA_INPUT_RANGE": "4,16", "MANYLORA_OUTPUT_RANGE": "4,16", "PYTHONPATH": str(REPO)}
     prefix = tmp_path / "locust"
-    command = [sys.executable, "-m", "locust", "-f", str(REPO / "perf" / "locustfile.py"), "--headless",
+    command = [sys.executable, "-m", "locust", "-f", str(REPO / "perf" / "server" / "locustfile.py"), "--headless",
                "-u", "4", "-r", "4", "-t", "5s", "--host", f"http://{server.http_url}", "--csv", str(prefix),
                "--only-summary"]
     done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)

@@ -1,11 +1,11 @@
-"""perf/bench_moe_step.py on a tiny MoE shape under the interpreter: it runs, and its fused and
+"""perf/engine/bench_moe_step.py on a tiny MoE shape under the interpreter: it runs, and its fused and
 unfused LoRA paths agree while the adapters do change the logits."""
 
 from __future__ import annotations
 
 import re
 
-from perf import bench_moe_step
+from perf.engine import bench_moe_step
 
 
 def test_bench_moe_step_smoke(device, capsys):

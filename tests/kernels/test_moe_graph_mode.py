@@ -15,7 +15,7 @@ from manylora.engine.layers.lora_batch import LoraBatch, moe_lora_expressible
 from manylora.engine.memory.kv_cache import PagedKVCache
 from manylora.engine.memory.sizing import synthetic_spec
 from manylora.engine.memory.unified_pool import UnifiedPool, page_elements
-from perf.bench_moe_step import SHAPES, decode_batch, random_model, synthetic_adapters, write_config
+from perf.engine.bench_moe_step import SHAPES, decode_batch, random_model, synthetic_adapters, write_config
 
 
 def test_graph_mode_batch_matches_eager_batch(device):

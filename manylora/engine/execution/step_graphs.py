@@ -1,7 +1,7 @@
 """Mixed steps (prefill chunks and decodes together) replayed from CUDA graphs, one graph per token-count bucket.
 
 An eager step launches about a thousand kernels of the 8B model from Python and is bound by the host: ~60 ms of
-launches for ~700 tokens whose kernels take a fraction of that (``perf.profile_engine``, H200, 2026-12-01). A
+launches for ~700 tokens whose kernels take a fraction of that (``perf.engine.profile_engine``, H200, 2026-12-01). A
 mixed-step graph sends every token of the step through the paged-attention kernel (each prefill token attends to
 its sequence's cache up to its own position: ``prefill_attention="paged"``'s path) and through the per-token (BGMV)
 LoRA kernels, so that no launch depends on the step's composition: the step is padded to its token bucket, and its

@@ -54,12 +54,12 @@ class PendingShrink:
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 # Captured steps run each shrink on a side stream beside its base GEMM; MANYLORA_LORA_SIDE_STREAM=0 keeps them on the
-# step's stream (perf/bench_decode_step.py --lora-side-stream times both)
+# step's stream (perf/engine/bench_decode_step.py --lora-side-stream times both)
 SIDE_STREAM = os.environ.get("MANYLORA_LORA_SIDE_STREAM", "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 # ... and, where the projection's consumer can add it, its expand too (LoraDelta); MANYLORA_LORA_DEFER_EXPAND=0 keeps
-# every expand in place after its GEMM (perf/bench_decode_step.py --defer-expand times both)
+# every expand in place after its GEMM (perf/engine/bench_decode_step.py --defer-expand times both)
 DEFER_EXPAND = os.environ.get("MANYLORA_LORA_DEFER_EXPAND", "1").strip().lower() not in ("0", "false", "off", "no")
 # The deferred term's fp32 buffer stays under this: decode steps (up to 292 tokens for Llama-3-8B's gate/up, 28,672
 # columns) and small mixed steps defer; a mixed step of thousands of tokens would take GBs beside the pool
@@ -68,7 +68,7 @@ DEFER_EXPAND_MAX_BYTES = 32 << 20
 # Where the side-stream shrink's node goes in a captured step: before its base GEMM (the default), or after it, waiting
 # on the point where the GEMM's input was ready, so that the GEMM is the branch launched first and the shrink's
 # programs fill the SMs the GEMM leaves (before it, the shrink's grid fills the GPU and the GEMM starts when it is
-# done); MANYLORA_LORA_SHRINK_AFTER_GEMM=1 (perf/bench_decode_step.py --shrink-order times both)
+# done); MANYLORA_LORA_SHRINK_AFTER_GEMM=1 (perf/engine/bench_decode_step.py --shrink-order times both)
 SHRINK_AFTER_GEMM = os.environ.get("MANYLORA_LORA_SHRINK_AFTER_GEMM", "0").strip().lower() in ("1", "true", "on", "yes")
 
 

@@ -4,7 +4,7 @@ A copy from pageable host memory (an adapter's pages, mapped from shared memory)
 CUDA driver's staging buffer: the calling thread waits for it, and so does every other thread's
 pageable copy, however small. On the H200, while adapters were being copied in on the copy thread,
 the engine thread's small copies of step inputs (block tables, token slots: ``torch.tensor(...,
-device=...)``) took about 1 ms each instead of tens of microseconds (``perf.profile_engine
+device=...)``) took about 1 ms each instead of tens of microseconds (``perf.engine.profile_engine
 --python-profile`` at n = 2000 adapters: 1,526 ``Tensor.to`` calls, 2.0 s). Staging through pinned
 buffers leaves the driver's path to the engine thread: this thread copies a chunk into a pinned
 buffer (a CPU memcpy), and the DMA from it to the device runs asynchronously on the copy stream

@@ -1,0 +1,186 @@
+"""The server's part of a capacity call: start tritonserver, warm it up, then its offline runs, sweep and soak.
+
+Everything goes through one server and one pool of client processes (perf/capacity/clients.py), so the
+targets ``server_stream``, ``server_nostream`` and ``llm`` of a call share a server start. Results go to
+the call's store (perf/capacity/command.py ``Call``), which writes the summary after every run.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from perf.capacity.clients import ClientPool, ServerDriver, ServerLacksIgnoreEos
+from perf.capacity.config import SERVER_TARGETS, SWEEP_TARGETS
+from perf.capacity.metrics import ClientLoad, OfflineResult
+from perf.capacity.requests import CapacityRequest, ScheduledRequest
+from perf.capacity.runs import log, measure_offline, measure_sweep_point
+from perf.capacity.server import ServerConfig, TritonServer, http_get
+from perf.capacity.soak import SoakConfig, run_soak
+from perf.engine.checkpoint import SHAPES
+
+if TYPE_CHECKING:
+    from perf.capacity.command import Call
+
+
+def _seconds(value: float | None, infinite: bool = False) -> str:
+    return "inf" if infinite else "-" if value is None else f"{value:.3f} s"
+
+
+class ServerPart:
+    """The server targets of one call (``call``: its config, checkpoint, store, budget and output folders)."""
+
+    def __init__(self, call: Call) -> None:
+        self.call = call
+        self.cfg = call.cfg
+
+    def run(self) -> None:
+        call, cfg = self.call, self.cfg
+        offline = [t for t in SERVER_TARGETS if t in cfg.targets] if "offline" in cfg.parts else []
+        sweep = "sweep" in cfg.parts and "server_stream" in cfg.targets
+        unswept = [t for t in cfg.targets if t not in SWEEP_TARGETS] if "sweep" in cfg.parts else []
+        if unswept:
+            call.store.add("notes", f"the sweep covers {', '.join(SWEEP_TARGETS)} only, not {', '.join(unswept)}")
+        soak = "soak" in cfg.parts
+        if not (offline or sweep or soak):
+            return
+        params = {k: str(v) for k, v in {**cfg.engine_params, "device": call.ckpt.device}.items()}
+        server = TritonServer(ServerConfig(Path(call.ckpt.base_dir), Path(call.ckpt.catalogue), params,
+                                           call.workdir / "server", call.logs / "server.log",
+                                           cfg.server_start_timeout_s))
+        log("starting tritonserver")
+        server.start()
+        info = json.loads(http_get(f"{server.http_url}/v2") or "{}")
+        call.store.data["servers"].append({"call": call.index, "ready_s": round(server.ready_s, 1),
+                                           "version": info.get("version"), "params": params})
+        log(f"tritonserver {info.get('version')} ready in {server.ready_s:.1f} s on {server.grpc_url}")
+        pool = None
+        try:
+            pool = ClientPool(server.grpc_url, call.client_config)
+            self._warm_up(pool)
+            for target in offline:
+                self._offline(pool, target)
+            if sweep:
+                self._sweep(pool)
+            if soak:
+                self._soak(server, pool)
+        finally:
+            if pool is not None:
+                pool.close()
+            code = server.stop()
+            log(f"tritonserver stopped ({code}); log in {call.logs / 'server.log'}")
+            call.write()
+
+    def _warm_up(self, pool: ClientPool) -> None:
+        """A few requests of several sizes through the generator, streaming and not (compilation, first adapter
+        loads); also where a server without the ignore_eos input is found out (ServerLacksIgnoreEos)."""
+        vocab = SHAPES[self.cfg.shape].vocab
+        names = [None, None, None, "lora-0000", "lora-0001"] if max(self.cfg.adapters) >= 2 else [None] * 3
+        longest = self.cfg.request_set.max_model_len - 16
+        sizes = [8, min(100, longest), min(300, longest), 16, 16]
+        schedule = [
+            ScheduledRequest(i, 0.0, CapacityRequest(i, tuple(4 + (7 * j) % (vocab - 4) for j in range(n)), 8, a))
+            for i, (n, a) in enumerate(zip(sizes, names, strict=False))
+        ]
+        for stream in (True, False):
+            outcome = ServerDriver(pool, stream=stream).run(schedule, cap_s=600, keep_ids=False)
+            bad = next((r.error for r in outcome.records if r.error), None)
+            if bad:
+                raise RuntimeError(f"the server's warm-up failed: {bad}")
+
+    def _driver(self, pool: ClientPool, target: str) -> ServerDriver | None:
+        if target != "llm":
+            return ServerDriver(pool, model="generator", stream=target == "server_stream")
+        driver = ServerDriver(pool, model="llm", stream=True)
+        probe = [ScheduledRequest(0, 0.0, CapacityRequest(0, (4, 5, 6, 7), 4, None))]  # also its warm-up
+        try:
+            driver.run(probe, cap_s=120, keep_ids=False)
+        except ServerLacksIgnoreEos:
+            self.call.skip("llm: the server refused ignore_eos, so its output lengths would not match the other "
+                           "targets'; not measured")
+            return None
+        return driver
+
+    def _measure_offline(self, driver: ServerDriver, target: str, n: int) -> OfflineResult | None:
+        call = self.call
+        if not call.budget.allows(0):
+            call.skip(f"{target} offline n={n}: the time budget was spent")
+            return None
+        result, records = measure_offline(driver, target, n, call.requests(n),
+                                          cap_s=call.budget.cap(self.cfg.offline_cap_s),
+                                          keep_ids=self.cfg.keep_output_ids, runs_dir=call.runs)
+        if target == "llm":
+            result.notes.append("tokens counted as the words of the streamed text (perf/engine/checkpoint.py's "
+                                "word-level tokenizer); special tokens decode to nothing, so a few requests look short")
+        call.warn_clients(f"{target} n={n} offline", [ClientLoad(**c) for c in result.meta["clients"]])
+        digests = None
+        if target != "llm":  # token identity with the engine (text has no token ids)
+            digests = [None] * len(records)
+            for r in records:
+                digests[r.request] = r.output_digest
+        call.store.put_offline(asdict(result), call.index, digests)
+        call.write()
+        log(f"{target} offline n={n}: {result.completed}/{result.requests} in {result.wall_s:.1f} s, "
+            f"{result.req_per_s:.2f} req/s, {result.output_tok_per_s:,.0f} tok/s, busiest client "
+            f"{result.client_cpu_max or 0:.2f} of a core")
+        return result
+
+    def _offline(self, pool: ClientPool, target: str) -> None:
+        driver = self._driver(pool, target)
+        if driver is not None:
+            for n in self.cfg.adapters:
+                self._measure_offline(driver, target, n)
+
+    def _capacity(self, pool: ClientPool, target: str) -> float | None:
+        """The target's offline req/s at the sweep's adapter count: from the store, or measured now."""
+        n = self.cfg.sweep_adapters
+        capacity = self.call.store.capacity(target, n)
+        if capacity is None:
+            self.call.store.add("notes", f"{target} offline n={n} measured in call {self.call.index} for the "
+                                         f"sweep's capacity")
+            result = self._measure_offline(ServerDriver(pool, stream=target == "server_stream"), target, n)
+            capacity = result.req_per_s if result and result.completed else None
+        return capacity
+
+    def _sweep(self, pool: ClientPool) -> None:
+        call = self.call
+        target, n, sweep = "server_stream", self.cfg.sweep_adapters, call.sweep_config
+        capacity = self._capacity(pool, target)
+        if capacity is None:
+            call.skip(f"{target} sweep: no capacity")
+            return
+        driver, requests = ServerDriver(pool, stream=True), call.requests(n)
+        for fraction in sweep.fractions:
+            if not call.budget.allows(sweep.duration_s + sweep.drain_s):
+                call.skip(f"{target} sweep x{fraction:g}: the time budget was spent")
+                continue
+            point = measure_sweep_point(driver, target, n, requests, capacity, fraction, sweep, call.runs)
+            point.notes.append(f"capacity {capacity:.3f} req/s")
+            call.warn_clients(f"{target} sweep x{fraction:g}", [], point.send_lag_p99)
+            if point.client_cpu_max is not None and point.client_cpu_max >= call.client_config.saturated_at:
+                call.warn(f"{target} sweep x{fraction:g}: a client process used {point.client_cpu_max:.2f} of a "
+                          f"core: raise --client-processes")
+            call.store.put_sweep(asdict(point), call.index)
+            call.write()
+            log(f"{target} sweep x{fraction:g} ({point.offered_rps:.2f} req/s): achieved {point.achieved_rps:.2f} "
+                f"req/s, TTFT p99 {_seconds(point.ttft_p99, point.ttft_inf)}, knee criteria "
+                f"{'met' if point.qualifies else 'missed'}")
+
+    def _soak(self, server: TritonServer, pool: ClientPool) -> None:
+        call, cfg = self.call, self.cfg
+        target, n = "server_stream", cfg.sweep_adapters
+        capacity = self._capacity(pool, target)
+        soak = SoakConfig(cfg.soak_s, cfg.soak_fraction, cfg.soak_interval_s)
+        if capacity is None or not call.budget.allows(soak.duration_s + soak.drain_s):
+            call.skip(f"soak: {'no capacity' if capacity is None else 'the time budget was spent'}")
+            return
+        log(f"soak: {soak.duration_s:g} s at {soak.fraction:g} x {capacity:.2f} req/s")
+        result = run_soak(ServerDriver(pool, stream=True), target, n, call.requests(n), capacity, soak, server.pid,
+                          call.runs)
+        call.store.put_soak(result, call.index)
+        total = result["memory"].get("host_rss", {}).get("total", {})
+        log(f"soak: host RSS {total.get('start_mb')} -> {total.get('end_mb')} MB, max {total.get('max_mb')}, "
+            f"slope {total.get('slope_mb_per_min')} MB/min")
+        call.write()
