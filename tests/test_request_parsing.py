@@ -235,7 +235,7 @@ def test_fuzz_control(value):
         assert e.code == ErrorCode.INVALID_ARG and "control" in e.message or "name" in e.message \
             or "path" in e.message or "sha256" in e.message or "replace" in e.message or "op" in e.message, e.message
         return
-    assert command["op"] in ("list_adapters", "stats", "load_adapter", "unload_adapter")
+    assert command["op"] in ("list_adapters", "stats", "model_info", "load_adapter", "unload_adapter")
 
 
 # -- adapter names, request parameters ----------------------------------------------------

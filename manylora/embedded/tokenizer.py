@@ -10,7 +10,10 @@ import torch
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 SPECIAL_TOKENS = (PAD, BOS, EOS)  # ids 0, 1, 2
-
+# The model continues text and knows no roles: a conversation is its messages' text in one paragraph, after <s>, so
+# that a chat of one message gets the same tokens (and reply) as a completion of that text.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{% if not loop.first %} {% endif %}"
+                 "{{ message['content'] }}{% endfor %}")
 
 
 def train_tokenizer(paragraphs: Sequence[str], vocab_size: int):
@@ -45,6 +48,7 @@ def save_tokenizer(tok, base_dir: Path, model_max_length: int) -> None:
     config_path = base_dir / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config["chat_template"] = CHAT_TEMPLATE
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 

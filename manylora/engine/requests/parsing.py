@@ -33,7 +33,7 @@ MAX_NAME_CHARS = 256  # adapter names
 MAX_CONTROL_BYTES = 64 * 1024
 INT32_MAX = 2**31 - 1
 MAX_PARAMETER_BYTES = 64 * 1024  # a sampling_parameters JSON string
-CONTROL_OPS = ("list_adapters", "stats", "load_adapter", "unload_adapter", "cancel")
+CONTROL_OPS = ("list_adapters", "stats", "model_info", "load_adapter", "unload_adapter", "cancel")
 SAMPLING_INPUTS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos")
 # sampling_parameters keys: the sampling inputs, and vLLM's that have one accepted value here
 SAMPLING_PARAMETER_KEYS = (*SAMPLING_INPUTS, "n")
@@ -237,7 +237,7 @@ def parse_generation(
 def parse_control(value: Any) -> dict:
     """The ``control`` input (one JSON object with "op") -> the validated command.
 
-    list_adapters, stats: {"op"}. cancel: {"op", "key"} (a request key, see the generator).
+    list_adapters, stats, model_info: {"op"}. cancel: {"op", "key"} (a request key, see the generator).
     load_adapter: {"op", "name", "path", "sha256" (str or None),
     "replace" (bool)}. unload_adapter: {"op", "name"}.
     """
@@ -254,7 +254,7 @@ def parse_control(value: Any) -> dict:
     op = command["op"]
     if op not in CONTROL_OPS:
         raise _invalid(f"unknown control op {op[:100]!r}; known: {', '.join(CONTROL_OPS)}")
-    if op in ("list_adapters", "stats"):
+    if op in ("list_adapters", "stats", "model_info"):
         return {"op": op}
     if op == "cancel":
         key = command.get("key")

@@ -39,9 +39,10 @@ class PromptGuard:
                                                    f"{self.max_tokens} tokens (max_model_len) and at least one new "
                                                    f"token must fit")
 
-    def encode(self, text: str | bytes) -> list[int]:
-        """The prompt's token ids (special tokens added) from its text or UTF-8 bytes; RequestError(INVALID_ARG)
-        if they cannot fit or the bytes are not UTF-8. Bytes are measured before they are decoded."""
+    def encode(self, text: str | bytes, add_special_tokens: bool = True) -> list[int]:
+        """The prompt's token ids (special tokens added unless ``add_special_tokens`` is false) from its text or UTF-8
+        bytes; RequestError(INVALID_ARG) if they cannot fit or the bytes are not UTF-8. Bytes are measured before
+        they are decoded."""
         if isinstance(text, bytes):
             self._check_bytes(len(text))
             try:
@@ -52,7 +53,7 @@ class PromptGuard:
             self._check_bytes(len(text) if len(text) > self.max_bytes else len(text.encode("utf-8")))
         if len(text) > self.piece_bytes:
             self._count_in_pieces(text)
-        ids = self.tokenizer.encode(text, add_special_tokens=True).ids
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         if len(ids) >= self.max_tokens:
             raise self._too_long(f"{len(ids)} tokens")
         return ids

@@ -57,6 +57,10 @@ class GenerationOutput:
     adapter: str | None = None
     adapter_sha256: str | None = None  # the version of the adapter that served it
     heartbeat: bool = False  # no tokens: only says the request is still on (GenerationRequest.keepalive_s)
+    prompt_tokens: int = 0  # the request's prompt length
+    # output tokens this chunk accounts for: len(token_ids), and on the last chunk also the tokens a stop string cut
+    # off, so a request's chunks add up to every token it generated (an EOS not counted)
+    output_tokens: int = 0
 
 
 EmitFn = Callable[[GenerationOutput], None]

@@ -79,6 +79,16 @@ def eos_token_ids(model_dir: str, cfg: ModelConfig) -> frozenset[int]:
     return frozenset(int(i) for i in ids)
 
 
+def _per_adapter(sequences) -> dict[str, int]:
+    """Requests per adapter name among ``sequences`` (base-model requests left out)."""
+    counts: dict[str, int] = {}
+    for seq in sequences:
+        name = seq.adapter
+        if name:
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
 class Engine:
     """One base model, a catalogue of adapters, a paged KV cache, and the step loop."""
 
@@ -349,6 +359,12 @@ class Engine:
             "errors": self._counters["errors"] + self._refused,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting) + self._inbox.qsize(),
+            # requests per adapter name, for routers (the base model's are not listed): those in the running batch
+            # and those queued (a request submitted since the last loop iteration is counted from the next)
+            "running_adapters": _per_adapter(self.scheduler.running),
+            "waiting_adapters": _per_adapter(self.scheduler.waiting),
+            "max_loras": self.config.max_loras,
+            "max_num_seqs": self.config.max_num_seqs,
             "page_size": self.kv.page_size,
             "preemptions": self.scheduler.num_preemptions,
             "adapters_registered": len(self.catalogue),

@@ -34,6 +34,7 @@ from typing import Any
 
 from manylora.engine.errors import ErrorCode, RequestError
 from manylora.engine.processes import python_for_children
+from manylora.engine.repository_paths import without_triton_parameters
 from manylora.engine.requests.types import EmitFn, GenerationOutput, GenerationRequest
 from manylora.engine.scheduling.observer import EngineObserver, NullObserver
 
@@ -60,7 +61,9 @@ class EngineLaunch:
         from manylora.engine.devices import resolve_device
 
         adapters = load_catalogue_file(self.catalogue_file) if self.catalogue_file else {}
-        return EngineConfig.from_strings(self.knobs, model_dir=self.model_dir, adapters=adapters,
+        # a rendered generator's config.pbtxt may name the packed environment (Triton's, not an engine knob)
+        knobs = without_triton_parameters(self.knobs)
+        return EngineConfig.from_strings(knobs, model_dir=self.model_dir, adapters=adapters,
                                          device=resolve_device(self.device))
 
 

@@ -139,6 +139,7 @@ class Sequence:
             if n <= self.released:
                 return None
         start = self.released if self.request.stream else 0
+        generated = len(self.output_ids) if finished else n
         context = self.output_ids[max(0, start - CONTEXT_TOKENS):start]
         if start < CONTEXT_TOKENS:
             context = self.prompt_ids[-(CONTEXT_TOKENS - len(context)):] + context if self.prompt_ids else context
@@ -151,6 +152,8 @@ class Sequence:
             finish_reason=self.finish_reason,
             adapter=self.adapter,
             adapter_sha256=self.adapter_sha256,
+            prompt_tokens=len(self.prompt_ids),
+            output_tokens=generated - self.released,  # a request that does not stream has released none before
         )
         self.released = n
         self.released_at = time.perf_counter()

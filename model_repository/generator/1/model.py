@@ -6,9 +6,10 @@ thread calls emit() for every chunk, and emit() sends it on the request's respon
 
 Request tensors (and Triton request parameters) become a GenerationRequest in
 manylora/engine/requests/parsing.py (plain Python, fuzzed). Control requests (`control` = JSON):
-list_adapters, stats, load_adapter, unload_adapter, cancel; load/unload need
+list_adapters, stats, model_info, load_adapter, unload_adapter, cancel; load/unload need
 MANYLORA_ALLOW_RUNTIME_ADAPTERS=1 in the server's environment (the engine's RequestError code
-and message come back as the Triton error otherwise).
+and message come back as the Triton error otherwise). All but cancel wait for the engine process,
+so they run on control threads and execute() never waits for them.
 
 Cancellation through the `llm` ensemble: Triton 2.51 does not tell a step that is already running
 that its ensemble request was cancelled (a gRPC cancel, a closed HTTP stream); it marks only the
@@ -30,6 +31,7 @@ import signal
 import threading
 import traceback
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -38,6 +40,8 @@ from generator_metrics import close as close_metrics
 
 from manylora.engine.devices import instance_device
 from manylora.engine.errors import ErrorCode, RequestError
+from manylora.engine.repository_paths import model_parameters
+from manylora.engine.requests.model_info import model_info
 from manylora.engine.requests.parsing import decode_text, parse_control, parse_generation
 from manylora.engine.requests.response_tensors import is_requested, output_arrays
 from manylora.engine.requests.types import GenerationOutput
@@ -50,6 +54,7 @@ NOT_ENGINE_FIELDS = ("base_model", "adapters", "device", "metrics_adapter_labels
 INPUTS = ("input_ids", "max_tokens", "lora_name", "stream", "temperature", "top_k", "top_p", "seed", "stop",
           "ignore_eos")
 DEFAULT_ADAPTER_LABELS = 100
+CONTROL_THREADS = 4  # control requests other than cancel wait for the engine process: they run off execute()
 KEEPALIVE_S = 0.25  # a keepalive request's longest silence: how soon an ensemble cancellation is seen
 ERROR_DELAY_S = 0.2  # a keepalive request's error after earlier responses waits this long (_Emitter)
 
@@ -112,8 +117,9 @@ class TritonPythonModel:
         # `kill -USR1 <stub pid>` writes every thread's stack too (a hung stub is also "not healthy")
         with contextlib.suppress(ValueError, AttributeError, RuntimeError):  # not the main thread / no SIGUSR1
             faulthandler.register(signal.SIGUSR1, all_threads=True)
-        parameters = json.loads(args["model_config"]).get("parameters", {})
+        parameters = model_parameters(json.loads(args["model_config"]).get("parameters", {}), args["model_repository"])
         launch = engine_launch(parameters, args.get("model_instance_kind", ""), args.get("model_instance_device_id"))
+        self.model_dir = launch.model_dir
         self.metrics = self._create_metrics(adapter_label_limit(parameters))
         self.poller: StatsPoller | None = None
         try:
@@ -136,6 +142,7 @@ class TritonPythonModel:
         self._execute_sizes: Counter[int] = Counter()  # requests per execute() call: is Triton batching?
         self._keys: dict[str, str] = {}  # request key -> engine request id, for keepalive requests in flight
         self._keys_lock = threading.Lock()
+        self._control_pool = ThreadPoolExecutor(CONTROL_THREADS, thread_name_prefix="manylora-control")
 
     @staticmethod
     def _create_metrics(adapter_labels: int) -> MetricsObserver | None:
@@ -161,6 +168,7 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         stopped = self.poller is None or self.poller.stop(timeout=5.0)
+        self._control_pool.shutdown(wait=False, cancel_futures=True)
         self.engine.shutdown()
         if stopped:  # a poll still under way would use the metrics as they are dropped: leave them then
             close_metrics(self.metrics)
@@ -169,7 +177,11 @@ class TritonPythonModel:
         requested = frozenset(request.requested_output_names())
         control = pb_utils.get_input_tensor_by_name(request, "control")
         if control is not None:
-            self._control(parse_control(control.as_numpy()), sender, requested)
+            command = parse_control(control.as_numpy())
+            if command["op"] == "cancel":  # no round trip to the engine process
+                self._control(command, sender, requested)
+            else:  # stats, adapter loads: execute() does not wait for them (a router may ask for stats often)
+                self._control_pool.submit(self._control_answered, command, sender, requested)
             return
         inputs = _inputs(request)
         request_id = f"{request.request_id() or 'req'}#{next(self._ids)}"
@@ -200,10 +212,22 @@ class TritonPythonModel:
             with self._keys_lock:
                 self._keys.pop(key, None)
 
+    def _control_answered(self, command: dict, sender, requested: frozenset[str]) -> None:
+        """_control on a control thread: every failure becomes the request's error response."""
+        try:
+            self._control(command, sender, requested)
+        except RequestError as e:
+            self._fail(sender, e.code, e.message)
+        except Exception as e:  # noqa: BLE001 - the request gets the error, the thread goes on
+            pb_utils.Logger.log_error(f"generator: {traceback.format_exc()}")
+            self._fail(sender, ErrorCode.INTERNAL, f"generator failed: {e}")
+
     def _control(self, command: dict, sender, requested: frozenset[str]) -> None:
         op = command["op"]
         if op == "list_adapters":
             result = {"adapters": self.engine.list_adapters()}
+        elif op == "model_info":  # manylora/engine/requests/model_info.py
+            result = model_info(self.model_dir, self.engine.info.get("max_model_len"))
         elif op == "stats":
             sizes = sorted(self._execute_sizes.items())
             result = {**self.engine.stats(), "execute_batch_sizes": {str(k): v for k, v in sizes}}

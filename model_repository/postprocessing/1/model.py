@@ -1,6 +1,7 @@
 """postprocessing: one generator chunk -> its text (correct across streamed chunks).
 
-Decoupled: each request gets at most one response, then FINAL. A generator heartbeat (only
+Decoupled: each request gets at most one response, then FINAL. The generator's token counts and finish
+reason go on unchanged (PASSED_ON). A generator heartbeat (only
 `request_key`, no tokens) gets none. For a request that Triton marked cancelled (its ensemble request
 was cancelled: a gRPC cancel, a closed HTTP stream) the generator is told to stop that request
 (control op "cancel" with the key), since Triton does not tell it; the request itself gets no
@@ -16,10 +17,17 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from manylora.engine.repository_paths import model_parameters
 from manylora.engine.requests.detokenize import decode_chunk, tokenizer_from_parameters
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 GENERATOR = "generator"
+
+
+# generator outputs that go on to the client unchanged, with their value when the generator sent none
+PASSED_ON = {"num_input_tokens": np.zeros((1, 1), dtype=np.uint32),
+             "num_output_tokens": np.zeros((1, 1), dtype=np.uint32),
+             "finish_reason": np.array([[b""]], dtype=np.object_)}
 
 
 def _array(request, name: str) -> np.ndarray | None:
@@ -27,9 +35,14 @@ def _array(request, name: str) -> np.ndarray | None:
     return None if tensor is None else tensor.as_numpy()
 
 
+def _passed_on(request, name: str, default: np.ndarray) -> np.ndarray:
+    array = _array(request, name)
+    return default if array is None else array.reshape(1, 1).astype(default.dtype)
+
+
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
-        params = json.loads(args["model_config"]).get("parameters", {})
+        params = model_parameters(json.loads(args["model_config"]).get("parameters", {}), args["model_repository"])
         try:
             self.tokenizer = tokenizer_from_parameters(params, "postprocessing")
         except (ValueError, FileNotFoundError) as e:
@@ -65,6 +78,8 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse(output_tensors=[
             pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_)),
             pb_utils.Tensor("lora_version_out", version.reshape(1, 1).astype(np.object_)),
+            *(pb_utils.Tensor(f"{name}_out", _passed_on(request, name, default))
+              for name, default in PASSED_ON.items()),
         ])
 
     @staticmethod

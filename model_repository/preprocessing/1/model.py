@@ -1,4 +1,5 @@
-"""preprocessing: text_input -> input_ids with the checkpoint's tokenizer.json.
+"""preprocessing: text_input -> input_ids with the checkpoint's tokenizer.json (special tokens added unless
+add_special_tokens is false: a rendered chat template holds its own).
 
 A prompt that cannot fit the context is refused before it is tokenized whole (manylora/engine/requests/prompt_guard.py),
 so one huge text cannot hold the tokenizer while other requests wait. A request refused here is not
@@ -17,6 +18,7 @@ import triton_python_backend_utils as pb_utils
 
 from manylora.engine.errors import RequestError
 from manylora.engine.model_config import ModelConfig
+from manylora.engine.repository_paths import model_parameters
 from manylora.engine.requests.detokenize import tokenizer_from_parameters
 from manylora.engine.requests.prompt_guard import PromptGuard
 
@@ -32,7 +34,7 @@ def _malloc_trim():
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
-        params = json.loads(args["model_config"]).get("parameters", {})
+        params = model_parameters(json.loads(args["model_config"]).get("parameters", {}), args["model_repository"])
         try:
             tokenizer = tokenizer_from_parameters(params, "preprocessing")
             max_len = params.get("max_model_len", {}).get("string_value", "")
@@ -65,7 +67,9 @@ class TritonPythonModel:
             size = len(raw)
             if not size:
                 raise ValueError("text_input is empty: the prompt needs at least one character")
-            ids = self.guard.encode(raw if isinstance(raw, bytes) else str(raw))
+            special = pb_utils.get_input_tensor_by_name(request, "add_special_tokens")
+            add_special = special is None or bool(special.as_numpy().reshape(-1)[:1].all())
+            ids = self.guard.encode(raw if isinstance(raw, bytes) else str(raw), add_special_tokens=add_special)
             return pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor("input_ids", np.asarray(ids, dtype=np.int32).reshape(1, -1)),
                 pb_utils.Tensor("keepalive", self.keepalive),
