@@ -14,6 +14,7 @@ ADAPTERS     ?=
 HTTP_PORT    ?= 8000
 GRPC_PORT    ?= 8001
 METRICS_PORT ?= 8002
+OPENAI_PORT  ?= 9000
 TEST_WORKERS ?= 2
 
 # Engine knobs (empty: the engine's default); passed to the generator's config.pbtxt.
@@ -53,6 +54,7 @@ endif
 
 help:
 	@echo "make serve    environment + embedded default model + Triton server on :$(HTTP_PORT)/:$(GRPC_PORT)"
+	@echo "              and the OpenAI-compatible front on :$(OPENAI_PORT) (OPENAI_PORT= to leave it off)"
 	@echo "              (BASE_MODEL=<hf dir> ADAPTERS=<catalogue.json> to serve your own; engine knobs:"
 	@echo "               DEVICE DTYPE MAX_LORA_RANK MAX_LORAS MAX_CPU_LORAS MAX_NUM_SEQS PAGE_SIZE ...)"
 	@echo "make test     the whole test suite (end-to-end against the real server included) + ruff"
@@ -61,13 +63,15 @@ help:
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+# torch first, pinned, so that the extras' requirements do not pull another build of it; then manylora with its
+# extras (pyproject.toml) at the versions the tests were run with; the server apart (its own requirements are
+# pytriton's Python API, which nothing here uses)
+$(STAMP): pyproject.toml setup.py
 	@test -x $(PY) || $(PYTHON_SYS) -m venv $(VENV)
 	$(PIP) install --no-cache-dir --upgrade pip
-	$(PIP) install --no-cache-dir torch==2.13.0 numpy==1.26.4 transformers==5.24.0 peft==0.21.2 safetensors tokenizers triton \
-	  "tritonclient[grpc,http]>=2.52" pytest pytest-timeout pytest-xdist hypothesis ruff locust matplotlib tqdm
+	$(PIP) install --no-cache-dir torch==2.13.0
+	$(PIP) install --no-cache-dir -e ".[dev,bench,openai]" torch==2.13.0 numpy==1.26.4 transformers==5.24.0 peft==0.21.2
 	$(PIP) install --no-cache-dir --no-deps nvidia-pytriton==0.7.0
-	$(PIP) install --no-deps -e .
 	@touch $@
 
 default-model: venv
@@ -75,7 +79,7 @@ default-model: venv
 
 serve: venv $(SERVE_DEPS)
 	$(PY) scripts/serve.py $(SERVE_MODEL) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) \
-	  --metrics-port $(METRICS_PORT) $(ENGINE_PARAMS)
+	  --metrics-port $(METRICS_PORT) --openai-port $(or $(OPENAI_PORT),0) $(ENGINE_PARAMS)
 
 test: venv
 	$(PY) -m pytest -q -n $(TEST_WORKERS)

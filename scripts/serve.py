@@ -11,6 +11,7 @@ tests start the server exactly the same way:
 
     python scripts/serve.py --base-model build/default/base --adapters build/default/catalogue.json
     python scripts/serve.py --param max_loras=8 --param page_size=32 --http-port 9000
+    python scripts/serve.py --openai-port 9000     # and the OpenAI-compatible front beside it (docs/openai.md)
 """
 
 from __future__ import annotations
@@ -23,34 +24,17 @@ import shutil
 import socket
 import sys
 import sysconfig
-from dataclasses import fields
 from pathlib import Path
 
+from manylora.deploy.repository import ENGINE_PARAMS, MODEL_PARAMS, RenderSpec, check_engine_params, parse_params
+from manylora.deploy.repository import render_repository as render
+from manylora.deploy.server_flags import ADMIN_APIS, ADMIN_HEADER, PYTHON_BACKEND_FLAGS, listen_flags, restriction_flags
+
 REPO = Path(__file__).resolve().parent.parent
-# config.pbtxt parameters of the generator other than the checkpoint and the catalogue
-ENGINE_PARAMS = (
-    "device",
-    "dtype",
-    "max_lora_rank",
-    "max_loras",
-    "max_cpu_loras",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "max_model_len",
-    "page_size",
-    "num_kv_pages",
-    "gpu_memory_fraction",
-    "max_queue_size",
-    "tensor_parallel_size",
-    "stream_interval_ms",
-)
-# config.pbtxt parameters of the generator model file itself, not EngineConfig fields
-MODEL_PARAMS = ("metrics_adapter_labels",)
-PLACEHOLDER = re.compile(r"\$\{([a-z_]+)\}")
-# Triton's APIs that no tenant needs: registering shared-memory regions (the Python backend's own among them),
-# loading and unloading models, configs (they hold server paths), per-model statistics, log and trace settings
-ADMIN_APIS = ("shared-memory", "model-repository", "model-config", "statistics", "logging", "trace")
-ADMIN_HEADER = "manylora-admin-key"
+# the rendering and the server flags are manylora.deploy's (python -m manylora.deploy render serves a fleet's own
+# tritonserver); these names stay importable from here
+__all__ = ["ADMIN_APIS", "ADMIN_HEADER", "ENGINE_PARAMS", "MODEL_PARAMS", "check_engine_params", "parse_params",
+           "render_repository", "restriction_flags"]
 
 
 def site_packages() -> Path:
@@ -85,63 +69,18 @@ def install_stub(home: Path | None = None) -> Path:
     return target
 
 
-def check_engine_params(params: dict[str, str]) -> None:
-    known = set(ENGINE_PARAMS) | set(MODEL_PARAMS)
-    try:  # the engine's own list, where it is importable
-        from manylora.engine.config import EngineConfig
-
-        known |= {f.name for f in fields(EngineConfig)} - {"model_dir", "adapters"}
-    except ImportError:
-        pass
-    unknown = sorted(set(params) - known)
-    if unknown:
-        raise ValueError(f"unknown parameter(s) {unknown}; known: {sorted(known)}")
-
-
 def render_repository(
     base_model: str | Path,
     adapters: str | Path | None,
     out: str | Path,
     params: dict[str, str] | None = None,
-    source: str | Path = REPO / "model_repository",
+    source: str | Path | None = None,
+    environment: str | Path | None = None,
 ) -> Path:
-    """Copy ``source`` to ``out`` (replacing it) with every ${...} placeholder filled in."""
-    params = dict(params or {})
-    check_engine_params(params)
-    base_model = Path(base_model).resolve()
-    if not (base_model / "config.json").is_file():
-        raise FileNotFoundError(f"{base_model}/config.json not found: --base-model must be a checkpoint dir")
-    values = {name: "" for name in (*ENGINE_PARAMS, *MODEL_PARAMS)}
-    values.update(params)
-    values["base_model"] = str(base_model)
-    values["tokenizer_dir"] = str(base_model)
-    if adapters:
-        adapters = Path(adapters).resolve()
-        if not adapters.is_file():
-            raise FileNotFoundError(f"{adapters}: adapter catalogue not found")
-        values["adapters"] = str(adapters)
-    else:
-        values["adapters"] = ""
-    source, out = Path(source).resolve(), Path(out).resolve()
-    if out == source:
-        raise ValueError("--out must differ from the source model repository")
-    if out.exists():
-        shutil.rmtree(out)
-    shutil.copytree(source, out, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".gitkeep"))
-    for config in out.glob("*/config.pbtxt"):
-        text = config.read_text()
-        missing = sorted(set(PLACEHOLDER.findall(text)) - set(values))
-        if missing:
-            raise ValueError(f"{config}: no value for {missing}")
-        if config.parent.name == "generator":  # engine knobs the template does not list yet
-            for key in sorted(set(params) - set(PLACEHOLDER.findall(text))):
-                text += f'parameters {{ key: "{key}" value: {{ string_value: "${{{key}}}" }} }}\n'
-        config.write_text(PLACEHOLDER.sub(lambda m: values[m.group(1)].replace('"', '\\"'), text))
-    # an empty version directory (the ensemble's) must exist; git does not keep empty dirs
-    for model in out.iterdir():
-        if (model / "config.pbtxt").is_file():
-            (model / "1").mkdir(exist_ok=True)
-    return out
+    """The repository in ``out`` (replacing a rendered one), rendered by manylora.deploy: absolute paths."""
+    return render(RenderSpec(base_model=Path(base_model), out=Path(out), adapters=Path(adapters) if adapters else None,
+                             params=dict(params or {}), environment=Path(environment) if environment else None,
+                             source=Path(source) if source else None))
 
 
 def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
@@ -181,22 +120,6 @@ def admin_key(given: str | None, key_file: str | Path) -> str:
     return key
 
 
-def restriction_flags(key: str, open_apis: tuple[str, ...] = ()) -> list[str]:
-    """tritonserver flags that restrict ADMIN_APIS (less ``open_apis``) to requests with the admin key header."""
-    unknown = sorted(set(open_apis) - set(ADMIN_APIS) - {"all"})
-    if unknown:
-        raise ValueError(f"--open-apis: unknown API(s) {unknown}; restricted ones are {', '.join(ADMIN_APIS)} (or all)")
-    if "all" in open_apis:
-        return []
-    restricted = ",".join(api for api in ADMIN_APIS if api not in open_apis)
-    if not restricted:
-        return []
-    if not re.fullmatch(r"[A-Za-z0-9._~-]+", key):
-        raise ValueError("the admin key may hold only letters, digits and ._~- (it travels in a header)")
-    return [f"--http-restricted-api={restricted}:{ADMIN_HEADER}={key}",
-            f"--grpc-restricted-protocol={restricted}:{ADMIN_HEADER}={key}"]
-
-
 def server_command(
     repository: str | Path,
     http_port: int = 8000,
@@ -212,14 +135,8 @@ def server_command(
         str(home / "bin" / "tritonserver"),
         f"--model-repository={Path(repository).resolve()}",
         f"--backend-directory={home / 'backends'}",
-        f"--http-address={address}",
-        f"--http-port={http_port}",
-        f"--grpc-address={address}",
-        f"--grpc-port={grpc_port}",
-        f"--metrics-address={address}",
-        f"--metrics-port={metrics_port}",
-        "--backend-config=python,shm-default-byte-size=4194304",
-        "--backend-config=python,shm-growth-byte-size=1048576",
+        *listen_flags(address, http_port, grpc_port, metrics_port),
+        *PYTHON_BACKEND_FLAGS,
         *(restrictions or []),
         *(extra or []),
     ]
@@ -237,14 +154,37 @@ def free_ports(n: int, address: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
-def parse_params(items: list[str]) -> dict[str, str]:
-    params = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--param wants key=value, got {item!r}")
-        params[key.strip()] = value.strip()
-    return params
+def openai_command(grpc_port: int, port: int, address: str = "127.0.0.1") -> list[str]:
+    """The OpenAI-compatible front's command line: on ``address``:``port``, talking to this server's gRPC port."""
+    triton = "127.0.0.1" if address in ("0.0.0.0", "::", "") else address
+    return [sys.executable, "-m", "manylora.openai", "--triton-grpc", f"{triton}:{grpc_port}", "--host", address,
+            "--port", str(port)]
+
+
+def run_with_front(cmd: list[str], env: dict[str, str], front: list[str]) -> int:
+    """Run tritonserver and the front side by side; SIGINT / SIGTERM go to both, and the front is stopped when the
+    server exits. The server's exit status."""
+    import signal
+    import subprocess
+
+    server = subprocess.Popen(cmd, env=env)
+    child = subprocess.Popen(front)
+
+    def forward(signum, _frame) -> None:
+        for process in (child, server):
+            if process.poll() is None:
+                process.send_signal(signum)
+
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
+    code = server.wait()
+    if child.poll() is None:
+        child.terminate()
+        try:
+            child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -266,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--open-apis", default="",
                     help=f"comma-separated APIs to leave open to everyone, of {', '.join(ADMIN_APIS)}; or 'all'")
     ap.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="engine parameter (repeatable)")
+    ap.add_argument("--openai-port", type=int, default=0,
+                    help="also start the OpenAI-compatible front (python -m manylora.openai) on this port, stopped "
+                         "with the server (0: not)")
     ap.add_argument("--dry-run", action="store_true", help="render and print the command, do not start")
     args, extra = ap.parse_known_args(argv)
     try:
@@ -276,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         restrictions = restriction_flags(admin_key(args.admin_key, args.admin_key_file), open_apis)
         cmd = server_command(repo, args.http_port, args.grpc_port, args.metrics_port, args.address, extra,
                              restrictions)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"serve: {e}", file=sys.stderr)
         return 2
     shown = [re.sub(f"{ADMIN_HEADER}=.*", f"{ADMIN_HEADER}=<key>", part) for part in cmd]
@@ -285,8 +228,13 @@ def main(argv: list[str] | None = None) -> int:
         where = "--admin-key" if args.admin_key else args.admin_key_file
         print(f"serve: {', '.join(a for a in ADMIN_APIS if a not in open_apis)} need the header "
               f"'{ADMIN_HEADER}' (its value: {where})", file=sys.stderr, flush=True)
+    front = openai_command(args.grpc_port, args.openai_port, args.address) if args.openai_port else None
+    if front:
+        print(" ".join(front), file=sys.stderr, flush=True)
     if args.dry_run:
         return 0
+    if front:
+        return run_with_front(cmd, server_env(), front)
     os.execve(cmd[0], cmd, server_env())
     return 0  # not reached
 

@@ -68,7 +68,7 @@ def test_everything_is_under_one_namespace():
     top = {p.name for p in REPO.iterdir() if (p / "__init__.py").is_file()}
     assert top == {"manylora", "perf"}, top  # perf/ is the benchmarks' package; nothing installs it
     assert {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()} == {"engine", "kernels", "client",
-                                                                                     "embedded"}
+                                                                                     "embedded", "deploy", "openai"}
 
 
 def test_the_engine_subpackages_import_in_one_order():

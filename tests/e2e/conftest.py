@@ -241,3 +241,16 @@ def tokenizer(model_dir: Path):
     from manylora.engine.requests.detokenize import load_tokenizer
 
     return load_tokenizer(model_dir / "base")
+
+
+@pytest.fixture(scope="session")
+def openai_front(server: Server, tmp_path_factory: pytest.TempPathFactory):
+    """The OpenAI-compatible front (python -m manylora.openai, tests/e2e/openai_front.py) against ``server``, one
+    process per session; its adapter management is on (the server itself refuses runtime updates)."""
+    from openai_front import start_front
+
+    front = start_front(server.grpc_url, tmp_path_factory.mktemp("openai-front"), "--stats-interval", "0")
+    try:
+        yield front
+    finally:
+        front.stop()

@@ -1,0 +1,5 @@
+import sys
+
+from manylora.openai.cli import main
+
+sys.exit(main())
