@@ -139,3 +139,24 @@ def test_the_perf_analyzer_part_on_the_cpu(tmp_path):
         requests = json.load(tar.extractfile("perf-analyzer/perf_analyzer/inputs/generator_input.json"))["data"]
     assert len(adapters) == 100 and adapters[0] == "lora-0000"
     assert {r["lora_name"][0] for r in requests} <= set(adapters)
+
+
+@pytest.mark.e2e
+def test_the_openai_overhead_part_on_the_cpu(tmp_path):
+    """The server started with its OpenAI front (serve.py --openai-port), then the same requests through gRPC and
+    through the front: both paths finish every request and the summary gives their ratio."""
+    if not (Path(sysconfig.get_paths()["purelib"]) / "pytriton" / "tritonserver" / "bin" / "tritonserver").is_file():
+        pytest.skip("no tritonserver (pip install --no-deps nvidia-pytriton==0.7.0)")
+    port = 19300 + os.getpid() % 200 * 4
+    command = [sys.executable, "-m", "perf.device", "openai-overhead", "--shape", "tiny", "--device", "cpu",
+               "--python", sys.executable, "--http-port", str(port), "--openai-port", str(port + 3),
+               "--overhead-args", "--requests 12 --max-tokens 6 --prompt-words 6 --processes 2",
+               "--out", str(tmp_path / "out")]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "openai overhead rc=0" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = done.stdout[done.stdout.index("== openai overhead"):]
+    paths = {json.loads(line)["path"]: json.loads(line) for line in summary.splitlines() if line.startswith("{")}
+    assert {p: (r["requests"], r["errors"], r["output_tokens"]) for p, r in paths.items()} == {
+        "grpc": (12, 0, 72), "openai": (12, 0, 72)}
+    assert "openai / grpc throughput:" in summary

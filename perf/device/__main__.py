@@ -17,6 +17,7 @@ else /tmp/perf-device/out.
     python3 -m perf.device server-latency --saturation 14 [--perf-analyzer]  # TTFT/ITL at 50 / 90% of it
     python3 -m perf.device perf-analyzer --rates 2 4 6 8          # perf_analyzer sweeps against the server
     python3 -m perf.device server-probe "" "adapter_load_processes=0"  # stub threads and stacks per variant
+    python3 -m perf.device openai-overhead --param max_num_seqs=256      # OpenAI front against gRPC, same requests
     python3 -m perf.device tp-smoke                               # tp=2 against tp=1 (two GPUs)
 
 A CPU dry run of a server part: ``.venv/bin/python -m perf.device server-latency --shape tiny --device cpu
@@ -67,7 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in (("serve-check", "the embedded default model in bf16 served on CUDA, through the client CLI"),
                        ("server-latency", "TTFT and ITL through tritonserver at fractions of a saturating rate"),
                        ("perf-analyzer", "perf_analyzer's sweeps against tritonserver on the random checkpoint"),
-                       ("server-probe", "start the server per variant of engine parameters and watch its stub")):
+                       ("server-probe", "start the server per variant of engine parameters and watch its stub"),
+                       ("openai-overhead", "the same requests through Triton's gRPC and through the OpenAI front")):
         s = part(name, text)
         s.add_argument("--python", default=None, help="the server's Python (default: the venv made from .gpu/)")
         s.add_argument("--device", default="cuda")
@@ -76,7 +78,9 @@ def _parser() -> argparse.ArgumentParser:
     for s in servers[1:]:
         s.add_argument("--shape", default="llama3-8b")
         s.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="engine parameter")
-    lat, pa, probe = servers[1:]
+    lat, pa, probe, front = servers[1:]
+    front.add_argument("--openai-port", type=int, default=9000)
+    front.add_argument("--overhead-args", default="", help="more perf.server.openai_overhead arguments, one string")
     lat.add_argument("--saturation", type=float, required=True, help="req/s, e.g. what the headline measured")
     lat.add_argument("--fractions", type=float, nargs="*", default=[0.5, 0.9])
     lat.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals a fraction")
@@ -129,12 +133,17 @@ def server_part(part: Part, a: argparse.Namespace) -> None:
     if a.part == "server-probe":
         server_probe(part, model, server_python, env, a.variants)
         return
-    srv = server.start_model_server(part, model, server_python, env, a.param, part.work / "server.log", a.http_port)
+    front_args = ("--openai-port", str(a.openai_port)) if a.part == "openai-overhead" else ()
+    srv = server.start_model_server(part, model, server_python, env, a.param, part.work / "server.log", a.http_port,
+                                    front_args)
     try:
+        if a.part == "openai-overhead" and srv.ready_s is not None:
+            server.openai_overhead_run(part, srv, server_python, env, a.openai_port, a.overhead_args.split())
+            part.add("openai overhead", grep(part.work / "openai_overhead.txt", r".", tail=8))
         if a.part == "server-latency" and srv.ready_s is not None:
             server.latency_runs(part, model, srv, server_python, env, a.saturation, a.fractions, a.duration,
                                 part.work / "server")
-        if (a.part == "perf-analyzer" or a.perf_analyzer) and srv.ready_s is not None:
+        if (a.part == "perf-analyzer" or getattr(a, "perf_analyzer", False)) and srv.ready_s is not None:
             server.perf_analyzer_run(part, model, srv, server_python, env, a.concurrency, a.rates, a.measure_ms,
                                      part.work / "perf_analyzer")
         if server.signal_stubs(srv.session):  # every thread's stack of the stub into server.log (faulthandler)

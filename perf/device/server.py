@@ -99,8 +99,9 @@ class Server:
         self.session = 0  # the server's session id (its pid): the stubs are in it
         self.ready_s: float | None = None
 
-    def start(self, base: Path, catalogue: Path, params: list[str]) -> None:
-        command = [self.python, "scripts/serve.py", "--base-model", str(base), "--adapters", str(catalogue)]
+    def start(self, base: Path, catalogue: Path, params: list[str], extra_args: tuple[str, ...] = ()) -> None:
+        command = [self.python, "scripts/serve.py", "--base-model", str(base), "--adapters", str(catalogue),
+                   *extra_args]
         for param in params:
             command += ["--param", param]
         command += ["--http-port", str(self.http_port), "--grpc-port", str(self.http_port + 1),
@@ -133,13 +134,14 @@ class Server:
 
 
 def start_model_server(part: Part, model: Model, server_python: str, server_env: dict[str, str],
-                       params: list[str], log: Path, http_port: int = 8000) -> Server:
+                       params: list[str], log: Path, http_port: int = 8000,
+                       extra_args: tuple[str, ...] = ()) -> Server:
     """The generator on ``model`` with max_num_seqs 64, max_loras 64 and the shape's max_model_len, then
-    ``params`` (key=value, later ones win); waits up to 300 s for it."""
+    ``params`` (key=value, later ones win; ``extra_args`` for scripts/serve.py); waits up to 300 s for it."""
     server = Server(server_python, server_env, log, http_port)
     server.start(model.folder / "base", model.folder / "adapters" / "catalogue.json",
                  [f"device={model.device}", "max_num_seqs=64", "max_loras=64",
-                  f"max_model_len={model.max_model_len}", *params])
+                  f"max_model_len={model.max_model_len}", *params], extra_args)
     ok = server.wait_ready(min(300.0, part.left()))
     part.stamp(f"server ready after {server.ready_s:.0f} s" if ok else "server not ready", 0 if ok else 1)
     return server
@@ -252,3 +254,17 @@ def serve_check(part: Part, server_python: str, server_env: dict[str, str], devi
     transcript.append("\n".join(line for line in errors.splitlines() if "no-such-adapter" not in line)[:2000])
     (part.work / "serve_check.txt").write_text("\n".join(transcript) + "\n")
     part.add("serve check", "\n".join(transcript))
+
+
+def openai_overhead_run(part: Part, server: Server, server_python: str, server_env: dict[str, str], openai_port: int,
+                        args: list[str]) -> None:
+    """perf.server.openai_overhead against ``server`` and its OpenAI front on ``openai_port``: the same requests,
+    all at once, through Triton's gRPC and through the front (``args`` add to or override its defaults)."""
+    front = f"http://127.0.0.1:{openai_port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not ready(f"{front}/v1/models"):
+        time.sleep(1)
+    command = [server_python, "-m", "perf.server.openai_overhead", "--grpc", server.grpc_url, "--openai", front,
+               "--requests", "1000", "--prompt-words", "256", "--max-tokens", "256", "--processes", "8",
+               "--json", str(part.work / "openai_overhead.json"), *args]
+    part.step("openai overhead", command, "openai_overhead.txt", env=server_env)

@@ -11,6 +11,8 @@ folder ``.gpu/`` (made on a machine with PyPI: docs/development.md, "Running on 
     .gpu/numpy-1.26.4-cp312.txz   the numpy 1.26.4 cp312 wheel's contents
     .gpu/wheels/*.whl             tritonclient, python-rapidjson (cp312)
     .gpu/pa/*.whl                 perf-analyzer 2.60 (optional; its binary needs glibc >= 2.38)
+    .gpu/front/*.whl              fastapi, uvicorn, httpx, jinja2 and their requirements, cp312 (optional: the OpenAI
+                                  front, perf.device openai-overhead)
 
 The venv is made once per machine: a marker written last (``/tmp/venv/.manylora_ready``) says it is complete, so
 a venv that an earlier failure left half made is made again.
@@ -59,6 +61,9 @@ def make_venv(gpu_dir: Path = GPU_DIR, venv: Path = VENV, python: str = sys.exec
     for archive in (gpu_dir / NUMPY_TXZ, gpu_dir / SERVER_TXZ):
         _run(["tar", "xJf", str(archive), "-C", str(site)])
     _run([venv_python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", *map(str, wheels)])
+    front = sorted((gpu_dir / "front").glob("*.whl"))  # the OpenAI front's packages (optional)
+    if front:
+        _run([venv_python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", *map(str, front)])
     perf_analyzer = sorted((gpu_dir / "pa").glob("*.whl"))
     if perf_analyzer:
         _run([venv_python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", *map(str, perf_analyzer)])
