@@ -82,7 +82,7 @@ serve: venv $(SERVE_DEPS)
 	  --metrics-port $(METRICS_PORT) --openai-port $(or $(OPENAI_PORT),0) $(ENGINE_PARAMS)
 
 test: venv
-	$(PY) -m pytest -q -n $(TEST_WORKERS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 	$(VENV)/bin/ruff check .
 
 lint: venv

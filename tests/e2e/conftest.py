@@ -28,6 +28,7 @@ E2E_BUILD = REPO / "build" / "e2e"
 DEFAULT_BUILD = REPO / "build" / "default"
 E2E_STEPS, E2E_ADAPTER_STEPS = 300, 15
 START_TIMEOUT_S = 180
+EXIT_TIMEOUT_S = 10  # tritonserver --exit-timeout-secs: the longest a stop waits for requests and models
 # a short context, so that "prompt longer than the context" needs no huge prompt
 MAX_MODEL_LEN = 256
 
@@ -94,7 +95,7 @@ class Server:
         if process.poll() is None:
             process.terminate()
             try:
-                process.wait(timeout=40)
+                process.wait(timeout=EXIT_TIMEOUT_S + 15)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout=10)
@@ -172,6 +173,8 @@ def start_server(
     key = secrets.token_urlsafe(16)
     command = serve.server_command(repository, http_port, grpc_port, metrics_port,
                                    restrictions=serve.restriction_flags(key, open_apis))
+    # a stop that stalls in the generator stub's unload (docs/operations.md, "Stopping") costs 10 s, not 30
+    command.append(f"--exit-timeout-secs={EXIT_TIMEOUT_S}")
     base_env = {k: v for k, v in os.environ.items() if k != RUNTIME_ENV}
     log = work / "server.log"
     with open(log, "wb") as out:

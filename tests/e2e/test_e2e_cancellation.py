@@ -161,7 +161,7 @@ def test_an_abandoned_non_streaming_http_request_runs_to_its_max_tokens(long_ser
 
 
 def test_zz_no_cancelled_request_is_left_in_flight(long_server):
-    """Run last: Triton waits for requests it thinks are in flight before it exits (up to 30 s), so an ensemble
+    """Run last: Triton waits for requests it thinks are in flight before it exits (its exit timeout), so an ensemble
     request that a cancellation left behind (an error from a step while another step is in flight, in 2.51) shows
     as a slow stop and a line in the log."""
     started = time.monotonic()
@@ -172,7 +172,7 @@ def test_zz_no_cancelled_request_is_left_in_flight(long_server):
     assert not left, left[:3]
     print(f"stopped in {stopped:.1f} s (exit code {long_server.process.returncode})")
     log = long_server.log.read_text(errors="replace")
-    if stopped >= 20 and "Found 0 model versions that have in-flight inferences" in log \
+    if "Exit timeout expired" in log and "Found 0 model versions that have in-flight inferences" in log \
             and "successfully unloaded 'generator'" not in log:
         # no request was left in flight (the line above): the generator's stub did not start its finalize, a
         # stall of the Python backend seen in about 1 run in 10 (known, docs/operations.md); not what this checks
