@@ -15,7 +15,7 @@ HTTP_PORT    ?= 8000
 GRPC_PORT    ?= 8001
 METRICS_PORT ?= 8002
 OPENAI_PORT  ?= 9000
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 
 # Engine knobs (empty: the engine's default); passed to the generator's config.pbtxt.
 DEVICE                 ?=
@@ -82,7 +82,7 @@ serve: venv $(SERVE_DEPS)
 	  --metrics-port $(METRICS_PORT) --openai-port $(or $(OPENAI_PORT),0) $(ENGINE_PARAMS)
 
 test: venv
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 	$(VENV)/bin/ruff check .
 
 lint: venv

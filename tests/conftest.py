@@ -5,11 +5,37 @@ test is filled with NaN / a huge index first, as stale GPU memory would be (``po
 memory it never wrote (a KV page's tail, a table's padding, a skipped row) then fails here instead of on a GPU.
 The unified pool, zeros when made, starts as NaN too: on a serving GPU its pages hold whatever the adapters and
 sequences that had them before left.
+
+Order: the longest tests run first (LONGEST_FIRST, from ``--durations`` on a 2-core machine), so that under
+pytest-xdist (``make test``) no worker starts a two-minute test when the others are nearly done.
 """
 
 import os
 
 import pytest
+
+# node id prefixes of the tests that take 20 s or more on a 2-core machine, longest first
+LONGEST_FIRST = (
+    "tests/kernels/test_step_graphs.py::test_mixed_steps_match_peft",
+    "tests/kernels/test_engine_kernels.py::test_warm_up_runs_the_kernel_path",
+    "tests/test_capacity.py",
+    "tests/kernels/test_engine_kernels.py::test_moe_kernel_path_matches_peft",
+    "tests/test_engine_isolation.py::test_no_request_changes_another_requests_output",
+    "tests/test_unified_paging.py::test_two_thousand_adapters",
+    "tests/kernels/test_engine_kernels.py::test_kernel_path_matches_peft",
+    "tests/kernels/test_lora_kernels.py::test_shrink_expand_grid[64-130",
+    "tests/kernels/test_engine_kernels.py::test_triton_base_gemm_matches_peft",
+    "tests/e2e/test_e2e_child_processes.py",
+    "tests/e2e/test_e2e_packed_env.py",
+    "tests/kernels/test_decode_graph_forms.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item) -> int:
+        return next((i for i, prefix in enumerate(LONGEST_FIRST) if item.nodeid.startswith(prefix)), len(LONGEST_FIRST))
+
+    items.sort(key=rank)  # stable: the rest keep their order
 
 
 @pytest.fixture(autouse=True)

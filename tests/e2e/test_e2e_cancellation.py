@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("cancellation")]  # one worker: test_zz runs last on its server
 
 LONG = 3000  # tokens a request would run to (ignore_eos): seconds of work on this CPU
 PROMPT = "In the morning the baker"
