@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import secrets
 import shutil
 import socket
 import sys
 import sysconfig
 from pathlib import Path
 
+from manylora.deploy.operator_key import operator_key
 from manylora.deploy.repository import ENGINE_PARAMS, MODEL_PARAMS, RenderSpec, check_engine_params, parse_params
 from manylora.deploy.repository import render_repository as render
 from manylora.deploy.server_flags import ADMIN_APIS, ADMIN_HEADER, PYTHON_BACKEND_FLAGS, listen_flags, restriction_flags
@@ -103,21 +103,8 @@ def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def admin_key(given: str | None, key_file: str | Path) -> str:
-    """The operator's admin key: given, else the one kept in ``key_file`` (made with a random key, mode 0600,
-    when missing)."""
-    if given:
-        return given
-    path = Path(key_file)
-    if path.is_file():
-        key = path.read_text().strip()
-        if key:
-            return key
-    path.parent.mkdir(parents=True, exist_ok=True)
-    key = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(key + "\n")
-    return key
+    """The operator's admin key: given, else the one kept in ``key_file`` (manylora.deploy.operator_key)."""
+    return operator_key(given, key_file)
 
 
 def server_command(

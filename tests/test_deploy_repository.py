@@ -242,3 +242,15 @@ def test_packed_archive_works_where_it_is_unpacked(tmp_path):
     verify_environment(tmp_path / "unpacked", ("manylora.deploy.repository", "packaging.requirements"))
     assert json.loads((tmp_path / "unpacked" / MANIFEST).read_text())["distributions"].keys() == {"manylora",
                                                                                                   "packaging"}
+
+
+def test_operator_key_is_given_or_kept_private_in_its_file(tmp_path):
+    from manylora.deploy.operator_key import operator_key
+
+    path = tmp_path / "keys" / "admin-key"
+    made = operator_key(None, path)
+    assert len(made) >= 32 and path.read_text().strip() == made and (path.stat().st_mode & 0o777) == 0o600
+    assert operator_key("", path) == made  # kept, not made again
+    assert operator_key("given", path) == "given" and path.read_text().strip() == made
+    path.write_text("\n")
+    assert operator_key(None, path) not in ("", made)  # an empty file gets a new key

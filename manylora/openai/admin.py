@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import hmac
 import os
-import secrets
 from pathlib import Path
 
+from manylora.deploy.operator_key import operator_key as stored_key
 from manylora.openai.errors import OpenAIError
 from manylora.openai.protocol import LoadLoraAdapterRequest, UnloadLoraAdapterRequest
 from manylora.openai.triton import TritonBackend
@@ -24,22 +24,8 @@ KEY_ENV = "MANYLORA_OPENAI_ADMIN_KEY"
 
 
 def operator_key(given: str | None, key_file: str | Path) -> str:
-    """The operator key: ``given``, else $MANYLORA_OPENAI_ADMIN_KEY, else the one in ``key_file`` (made with a random
-    key, mode 0600, when missing)."""
-    given = given or os.environ.get(KEY_ENV)
-    if given:
-        return given
-    path = Path(key_file)
-    if path.is_file():
-        key = path.read_text().strip()
-        if key:
-            return key
-    path.parent.mkdir(parents=True, exist_ok=True)
-    key = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(key + "\n")
-    return key
+    """The front's operator key: ``given``, else $MANYLORA_OPENAI_ADMIN_KEY, else the one kept in ``key_file``."""
+    return stored_key(given or os.environ.get(KEY_ENV), key_file)
 
 
 def check_operator(headers, enabled: bool, key: str | None) -> None:
