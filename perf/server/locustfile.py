@@ -183,30 +183,10 @@ class LlmUser(User):
             if "triton_final_response" in params and params["triton_final_response"].bool_param:
                 return
 
-    def _sse_stream(self, prompt: str, adapter: str | None, max_tokens: int):
-        body = {"text_input": prompt, "max_tokens": max_tokens, "stream": True}
-        if adapter:
-            body["lora_name"] = adapter
-        url = f"{self.host.rstrip('/')}/v2/models/llm/generate_stream"
-        with self.session.post(url, json=body, stream=True, timeout=TIMEOUT_S) as reply:
-            if reply.status_code != 200:
-                raise RuntimeError(f"HTTP {reply.status_code}: {reply.text[:200]}")
-            for line in reply.iter_lines(decode_unicode=True):
-                if not line or not line.startswith("data: "):
-                    continue
-                event = json.loads(line[len("data: ") :])
-                if "error" in event:
-                    raise RuntimeError(event["error"])
-                yield event.get("text_output", "")
-
-    def _openai_stream(self, prompt: str, adapter: str | None, max_tokens: int):
-        body = {"model": adapter or (BASE_MODEL[0] if BASE_MODEL else ""), "max_tokens": max_tokens, "stream": True}
-        if OPENAI_ENDPOINT == "chat":
-            body["messages"] = [{"role": "user", "content": prompt}]
-        else:
-            body["prompt"] = prompt
-        url = f"{self.host.rstrip('/')}/v1/{'chat/completions' if OPENAI_ENDPOINT == 'chat' else 'completions'}"
-        with self.session.post(url, json=body, stream=True, timeout=TIMEOUT_S) as reply:
+    def _sse_events(self, path: str, body: dict):
+        """The JSON events of a server-sent-event stream (Triton's generate_stream, the front's), until [DONE];
+        an event with an error raises."""
+        with self.session.post(f"{self.host.rstrip('/')}{path}", json=body, stream=True, timeout=TIMEOUT_S) as reply:
             if reply.status_code != 200:
                 raise RuntimeError(f"HTTP {reply.status_code}: {reply.text[:200]}")
             for line in reply.iter_lines(decode_unicode=True):
@@ -217,6 +197,24 @@ class LlmUser(User):
                     return
                 event = json.loads(data)
                 if "error" in event:
-                    raise RuntimeError(event["error"].get("message", event["error"]))
-                for choice in event.get("choices", ()):
-                    yield choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                    error = event["error"]
+                    raise RuntimeError(error.get("message", error) if isinstance(error, dict) else error)
+                yield event
+
+    def _sse_stream(self, prompt: str, adapter: str | None, max_tokens: int):
+        body = {"text_input": prompt, "max_tokens": max_tokens, "stream": True}
+        if adapter:
+            body["lora_name"] = adapter
+        for event in self._sse_events("/v2/models/llm/generate_stream", body):
+            yield event.get("text_output", "")
+
+    def _openai_stream(self, prompt: str, adapter: str | None, max_tokens: int):
+        body = {"model": adapter or (BASE_MODEL[0] if BASE_MODEL else ""), "max_tokens": max_tokens, "stream": True}
+        if OPENAI_ENDPOINT == "chat":
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        path = f"/v1/{'chat/completions' if OPENAI_ENDPOINT == 'chat' else 'completions'}"
+        for event in self._sse_events(path, body):
+            for choice in event.get("choices", ()):
+                yield choice.get("text") or (choice.get("delta") or {}).get("content") or ""
