@@ -102,11 +102,6 @@ def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def admin_key(given: str | None, key_file: str | Path) -> str:
-    """The operator's admin key: given, else the one kept in ``key_file`` (manylora.deploy.operator_key)."""
-    return operator_key(given, key_file)
-
-
 def server_command(
     repository: str | Path,
     http_port: int = 8000,
@@ -203,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         repo = render_repository(args.base_model, args.adapters or None, args.out, params, args.model_repository)
         install_stub()
         open_apis = tuple(api.strip() for api in args.open_apis.split(",") if api.strip())
-        restrictions = restriction_flags(admin_key(args.admin_key, args.admin_key_file), open_apis)
+        restrictions = restriction_flags(operator_key(args.admin_key, args.admin_key_file), open_apis)
         cmd = server_command(repo, args.http_port, args.grpc_port, args.metrics_port, args.address, extra,
                              restrictions)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
