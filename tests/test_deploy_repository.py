@@ -250,6 +250,7 @@ def test_operator_key_is_given_or_kept_private_in_its_file(tmp_path):
     path = tmp_path / "keys" / "admin-key"
     made = operator_key(None, path)
     assert len(made) >= 32 and path.read_text().strip() == made and (path.stat().st_mode & 0o777) == 0o600
+    assert not made.startswith("-")  # `--admin-key KEY` must parse as a value
     assert operator_key("", path) == made  # kept, not made again
     assert operator_key("given", path) == "given" and path.read_text().strip() == made
     path.write_text("\n")

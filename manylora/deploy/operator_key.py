@@ -18,7 +18,7 @@ def operator_key(given: str | None, key_file: str | Path) -> str:
         if key:
             return key
     path.parent.mkdir(parents=True, exist_ok=True)
-    key = secrets.token_urlsafe(32)
+    key = secrets.token_hex(32)  # hex: never starts with '-', so `--admin-key KEY` always parses
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as out:
         out.write(key + "\n")

@@ -67,7 +67,7 @@ def start_front(grpc_url: str, work: Path, *extra: str) -> Front:
     port, key = _free_port(), secrets.token_urlsafe(16)
     log = work / "openai-front.log"
     command = [sys.executable, "-m", "manylora.openai", "--triton-grpc", grpc_url, "--port", str(port),
-               "--allow-adapter-management", "--admin-key", key, *extra]
+               "--allow-adapter-management", f"--admin-key={key}", *extra]  # a key may start with "-"
     with open(log, "wb") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ), cwd=work)
     front = Front(url=f"http://127.0.0.1:{port}", admin_key=key, process=process, log=log)
