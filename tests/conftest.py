@@ -31,10 +31,29 @@ LONGEST_FIRST = (
 )
 
 
+# modules one xdist worker runs whole (``--dist loadgroup``): their tests share a module fixture that takes seconds
+# to make (a capacity run, a compilation, a build, a server), which every worker given one of them would make again
+WHOLE_MODULES = (
+    "tests/test_capacity.py",
+    "tests/test_compiled_code.py",
+    "tests/test_embedded_build.py",
+    "tests/test_engine_process.py",
+    "tests/e2e/test_e2e_attacks.py",
+    "tests/e2e/test_e2e_oracle.py",
+    "tests/e2e/test_e2e_stream_interval.py",
+    "tests/e2e/test_e2e_adapters_runtime.py",
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's hook, which reads the xdist_group marks
 def pytest_collection_modifyitems(items):
     def rank(item) -> int:
         return next((i for i, prefix in enumerate(LONGEST_FIRST) if item.nodeid.startswith(prefix)), len(LONGEST_FIRST))
 
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        if module in WHOLE_MODULES and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(module.rsplit("/", 1)[-1].removesuffix(".py")))
     items.sort(key=rank)  # stable: the rest keep their order
 
 
