@@ -56,7 +56,7 @@ def test_kernel_path_matches_peft(tmp_path, device, family, prefill_attention, f
             # one long prompt makes a prefill step of >= 64 tokens: the segmented (SGMV) kernels
             length = 70 if i == 0 else rng.randint(1, 12)
             cases.append(([0] + [rng.randrange(2, 290) for _ in range(length)], names[i % len(names)]))
-        assert_generations_match_peft(engine, base, adapters, cases, 8, "k")
+        assert_generations_match_peft(engine, base, adapters, cases, 5, "k")
         assert_pool_drained(engine)
     finally:
         engine.shutdown()
@@ -252,7 +252,8 @@ def test_moe_cuda_graph_replay_equals_eager(tmp_path, device):
 def test_warm_up_runs_the_kernel_path_and_gives_every_page_back(tmp_path, device):
     from manylora.engine.execution.warmup import step_sizes, warm_up
 
-    base = make_base(tmp_path / "base", "llama", seed=35)
+    # one layer: what warm-up uses and gives back does not depend on the depth
+    base = make_base(tmp_path / "base", "llama", layers=1, seed=35)
     engine = Engine(EngineConfig(model_dir=str(base), device=device, dtype="float32", kernels="triton",
                                  max_lora_rank=8, page_size=8, cuda_graphs=False, warmup=False, max_model_len=64),
                     start=False)

@@ -76,7 +76,7 @@ def test_mixed_steps_match_peft(tmp_path, device, family):
         names = [None, *adapters]
         cases = [([0] + [rng.randrange(2, 290) for _ in range(n)], names[i % len(names)])
                  for i, n in enumerate([90, 3, 40, 1, 17, 60, 8, 25])]
-        assert_generations_match_peft(engine, base, adapters, cases, 6, "x")
+        assert_generations_match_peft(engine, base, adapters, cases, 4, "x")
         if buckets is not None:
             assert set(buckets) == {64, 96}, buckets
         else:
