@@ -28,6 +28,7 @@ import threading
 import time
 from pathlib import Path
 
+from manylora.deploy.repository import parse_params
 from perf.capacity.prepare import CheckpointSpec, prepare_in_child
 from perf.capacity.requests import CapacityRequest, RequestSetConfig, build_requests
 from perf.engine.checkpoint import SHAPES
@@ -105,30 +106,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--solo", type=int, default=8, help="requests also run alone (the first N of the set)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--engine-param", action="append", default=[], metavar="KEY=VALUE",
-                    help="an EngineConfig field, e.g. kernels=torch (values parsed as JSON where they parse)")
+                    help="an EngineConfig field, e.g. kernels=torch (parsed as the generator's --param is)")
     ap.add_argument("--workdir", default="/tmp/manylora-capacity", help="where the checkpoint is written or found")
     ap.add_argument("--json", help="write the comparison here")
     args = ap.parse_args(argv)
 
     counts = [int(x) for x in args.adapters.split(",") if x.strip()]
     defaults = SHAPE_DEFAULTS[args.shape]
+    extra = parse_params(args.engine_param)
     ckpt = prepare_in_child(CheckpointSpec(args.shape, args.device, max(counts)), Path(args.workdir))
-    extra = {}
-    for item in args.engine_param:
-        key, _, value = item.partition("=")
-        try:
-            extra[key] = json.loads(value)
-        except json.JSONDecodeError:
-            extra[key] = value
     from manylora.engine.config import EngineConfig
     from manylora.engine.scheduling.engine import Engine
 
     request_set = RequestSetConfig(args.requests, defaults["input_range"], defaults["output_range"],
                                    (4, SHAPES[args.shape].vocab), args.seed)
-    engine = Engine(EngineConfig(model_dir=ckpt.base_dir, adapters=json.loads(Path(ckpt.catalogue).read_text()),
-                                 device=ckpt.device, max_lora_rank=16, max_num_seqs=defaults["max_num_seqs"],
-                                 max_loras=defaults["max_loras"], max_cpu_loras=max(256, defaults["max_loras"]),
-                                 max_model_len=request_set.max_model_len, **extra))
+    values = {"max_lora_rank": 16, "max_num_seqs": defaults["max_num_seqs"], "max_loras": defaults["max_loras"],
+              "max_cpu_loras": max(256, defaults["max_loras"]), "max_model_len": request_set.max_model_len}
+    engine = Engine(EngineConfig.from_strings({**{k: str(v) for k, v in values.items()}, **extra},
+                                              model_dir=ckpt.base_dir, device=ckpt.device,
+                                              adapters=json.loads(Path(ckpt.catalogue).read_text())))
     print(f"{ckpt.device_name}, {ckpt.dtype}, shape {args.shape}, {args.requests} requests, engine params {extra}",
           flush=True)
     results: dict = {"device": ckpt.device_name, "dtype": ckpt.dtype, "shape": args.shape, "engine_params": extra,
