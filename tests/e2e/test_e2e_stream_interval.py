@@ -61,8 +61,7 @@ def test_generator_streams_several_tokens_a_response_and_final_once(coalescing_s
         ids = tokenizer.encode(prompt, add_special_tokens=True).ids
         inputs = [_tensor("input_ids", np.array([ids], np.int32), "INT32"),
                   _tensor("max_tokens", np.array([[40]], np.int32), "INT32"),
-                  _tensor("stream", np.array([[True]]), "BOOL"),
-                  _tensor("ignore_eos", np.array([[True]]), "BOOL")]
+                  _tensor("stream", np.array([[True]]), "BOOL")]  # the same request as `whole`'s, streamed
         if adapter:
             inputs.append(_tensor("lora_name", np.array([[adapter.encode()]], np.object_), "BYTES"))
         responses = _responses(coalescing_server, "generator", inputs, "output_ids")
