@@ -6,8 +6,10 @@ sent waited for the loop's Python, and the server sent a third of what the engin
 the model file holds an EngineProcess: the same calls as Engine (submit, cancel, count_refusal,
 stats, list_adapters, load_adapter, unload_adapter, shutdown), carried to a child process that
 runs the Engine. The child sends back, once per loop iteration, one message with every output
-and observer event of that iteration; a thread here hands them to the requests' emit callbacks
-and to the observer. The stub's threads only move requests and responses.
+and observer event of that iteration; a thread here reads them at once, hands the events to the
+observer and the outputs to delivery threads (manylora/engine/scheduling/delivery.py), which call
+the requests' emit callbacks and merge a request's outputs while they wait, so that a slow
+response path never stalls the engine. The stub's threads only move requests and responses.
 
 A request's is_cancelled (a Triton response sender's flag) cannot cross processes: a thread here
 polls it every CANCEL_POLL_S and sends a cancel. If the child dies, every request in flight ends
@@ -36,6 +38,7 @@ from manylora.engine.errors import ErrorCode, RequestError
 from manylora.engine.processes import python_for_children
 from manylora.engine.repository_paths import without_triton_parameters
 from manylora.engine.requests.types import EmitFn, GenerationOutput, GenerationRequest
+from manylora.engine.scheduling.delivery import OutputDelivery
 from manylora.engine.scheduling.observer import EngineObserver, NullObserver
 
 log = logging.getLogger("manylora.engine")
@@ -100,6 +103,7 @@ class EngineProcess:
             self._process.join(10)
             raise EngineFailedToStart(payload)
         self.info: dict = payload  # device, dtype, max_model_len, ... as the child resolved them
+        self._delivery = OutputDelivery(self._deliver)
         self._receiver = threading.Thread(target=self._receive, name="manylora-engine-receiver", daemon=True)
         self._receiver.start()
         self._poller = threading.Thread(target=self._poll_cancelled, name="manylora-cancel-poller", daemon=True)
@@ -146,6 +150,7 @@ class EngineProcess:
             self._process.kill()
             self._process.join(5)
         self._receiver.join(5)
+        self._delivery.close()
 
     def start(self) -> None:
         """Engine.start's counterpart: the child's loop runs from the start."""
@@ -193,7 +198,7 @@ class EngineProcess:
         if kind == "batch":
             _, outputs, events = message
             for request_id, output in outputs:
-                self._deliver(request_id, output)
+                self._delivery.put(request_id, output)
             for name, args in events:
                 getattr(self.observer, name)(*args)
         elif kind == "reply":
@@ -253,14 +258,11 @@ class EngineProcess:
             call.error = error
             call.done.set()
         with self._live_lock:
-            live, self._live = self._live, {}
-        for request_id, (emit, _) in live.items():
-            try:
-                emit(GenerationOutput(request_id=request_id, token_ids=[], context_ids=[], finished=True,
-                                      finish_reason="error",
-                                      error=RequestError(ErrorCode.UNAVAILABLE, f"request {request_id}: {self._dead}")))
-            except Exception:  # noqa: BLE001 - the client may be gone too
-                log.warning("request %s: could not report the engine's exit", request_id)
+            live = list(self._live)
+        for request_id in live:  # after the outputs that wait for delivery; the delivery retires it
+            self._delivery.put(request_id, GenerationOutput(
+                request_id=request_id, token_ids=[], context_ids=[], finished=True, finish_reason="error",
+                error=RequestError(ErrorCode.UNAVAILABLE, f"request {request_id}: {self._dead}")))
 
 
 @dataclass
