@@ -8,11 +8,20 @@ was cancelled: a gRPC cancel, a closed HTTP stream) the generator is told to sto
 response either: an error response from this step to a cancelled ensemble request leaves the
 ensemble request in flight for good in Triton 2.51 (the server then waits its whole exit timeout).
 The generator's own CANCELLED error ends the ensemble request.
+
+Speed: every chunk of every stream is a request here, and a response send waits for the server (an IPC round
+trip). So execute() only decodes; the sends (and cancels) run on SENDER_THREADS threads, each request on the
+thread its stream's `request_key` hashes to: a stream's chunks leave in the order they came, while sends of
+different streams overlap. One instance only: two would reorder a stream's chunks.
 """
 
 from __future__ import annotations
 
 import json
+import queue
+import threading
+import time
+import zlib
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -22,6 +31,8 @@ from manylora.engine.requests.detokenize import decode_chunk, tokenizer_from_par
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 GENERATOR = "generator"
+SENDER_THREADS = 8  # sends in flight at once, of different streams
+CANCEL_CHECK_S = 0.2  # a stream with chunks flowing is asked whether it is cancelled at most this often
 
 
 # generator outputs that go on to the client unchanged, with their value when the generator sent none
@@ -47,26 +58,63 @@ class TritonPythonModel:
             self.tokenizer = tokenizer_from_parameters(params, "postprocessing")
         except (ValueError, FileNotFoundError) as e:
             raise pb_utils.TritonModelException(str(e)) from e
+        self.sends = [queue.SimpleQueue() for _ in range(SENDER_THREADS)]
+        self.senders = [threading.Thread(target=self._send_loop, args=(q,), name=f"postprocessing-send-{i}",
+                                         daemon=True) for i, q in enumerate(self.sends)]
+        for thread in self.senders:
+            thread.start()
 
     def execute(self, requests: list) -> None:
         for request in requests:
             sender = request.get_response_sender()
+            key = b""
             try:
+                key = _array(request, "request_key").reshape(-1)[0]
                 response = self._one(request)
             except Exception as e:  # noqa: BLE001 - one bad request must not fail the batch
                 pb_utils.Logger.log_error(f"postprocessing: {e!r}")
                 response = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"postprocessing failed: {e}"))
-            if response is None:
-                sender.send(flags=FINAL)
-            else:
-                sender.send(response, flags=FINAL)
+            self.sends[zlib.crc32(key) % SENDER_THREADS].put((request, sender, response, key))
         return None
 
+    def finalize(self) -> None:
+        for q in self.sends:
+            q.put(None)
+        for thread in self.senders:
+            thread.join(5)
+
+    def _send_loop(self, sends: queue.SimpleQueue) -> None:
+        checked: dict[bytes, float] = {}  # this thread's streams: when each was last asked whether it is cancelled
+        while (item := sends.get()) is not None:
+            request, sender, response, key = item
+            try:
+                if self._cancelled(request, response, key, checked):
+                    self._cancel(key)
+                    sender.send(flags=FINAL)
+                elif response is None:
+                    sender.send(flags=FINAL)
+                else:
+                    sender.send(response, flags=FINAL)
+            except Exception as e:  # noqa: BLE001 - a closed stream; the other streams go on
+                pb_utils.Logger.log_error(f"postprocessing: could not send: {e!r}")
+
+    @staticmethod
+    def _cancelled(request, response, key: bytes, checked: dict[bytes, float]) -> bool:
+        """Whether the stream of this step request was cancelled. Asking costs a round trip to the server, so a
+        stream is asked on a heartbeat (response None: that is what it is for) and otherwise at most every
+        CANCEL_CHECK_S; its last chunk is not asked (the generator is done with it)."""
+        now = time.monotonic()
+        if response is not None:
+            last = checked.get(key)
+            if last is not None and now - last < CANCEL_CHECK_S:
+                return False
+        if len(checked) > 4096:  # streams that ended with an error never sent a last chunk here
+            for old in [k for k, at in checked.items() if now - at > 60.0]:
+                del checked[old]
+        checked[key] = now
+        return bool(request.is_cancelled())
+
     def _one(self, request) -> pb_utils.InferenceResponse | None:
-        key = _array(request, "request_key").reshape(-1)[0]
-        if request.is_cancelled():
-            self._cancel(key)
-            return None
         output_ids = _array(request, "output_ids")
         if output_ids is None:  # a heartbeat: nothing to say
             return None
