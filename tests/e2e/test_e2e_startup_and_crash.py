@@ -1,6 +1,7 @@
 """Servers of their own: a pinned sha256 that does not match refuses to start (naming the
-adapter), and a dead generator stub is caught by scripts/healthcheck.py while Triton 2.51's
-/v2/health/ready still says ready."""
+adapter), a dead generator stub is caught by scripts/healthcheck.py while Triton 2.51's
+/v2/health/ready still says ready, and a tritonserver that dies with requests in flight takes the
+generator's stub and engine process with it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
+from conftest import EXIT_TIMEOUT_S
 
 pytestmark = pytest.mark.e2e
 
@@ -88,4 +92,59 @@ def test_dead_stub_is_caught_by_the_healthcheck(model_dir, tmp_path, make_server
         assert ready, "Triton 2.51 now reports the dead stub (readiness tied to stub health?)"
         assert dead.returncode != 0 and dead.stderr.startswith("unhealthy:"), (dead.returncode, dead.stderr)
     finally:
+        srv.stop()
+
+
+def _children(pid: int) -> list[int]:
+    return [child for child, ppid, _ in _ps() if ppid == pid]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split(")")[-1].split()[0] == "Z")  # a zombie is gone
+
+
+def test_a_killed_server_takes_the_generator_stub_and_engine_with_it(model_dir, tmp_path, make_server):
+    """Stopped with streams in flight, tritonserver 2.51 waits its exit timeout, says "Exiting immediately" and
+    then hangs (the stub's sends, cancellation checks and metric updates wait on it, and it on them) until it is
+    killed, as a stop (here, Kubernetes) does after its grace period. Its generator stub must not outlive it: it
+    would wait on its sends forever, and its engine process compute on (and hold the GPU)."""
+    srv = make_server(model_dir, tmp_path, {"max_model_len": "4096"})
+    client = grpcclient.InferenceServerClient(srv.grpc_url)
+    try:
+        [stub] = _generator_stubs(srv.process.pid)
+        engines = _children(stub)
+        assert engines, f"no engine process under the generator stub {stub}"
+        inputs = []
+        for name, array, dtype in [("input_ids", np.array([[0, 40, 41, 42]], np.int32), "INT32"),
+                                   ("max_tokens", np.array([[3000]], np.int32), "INT32"),
+                                   ("stream", np.array([[True]]), "BOOL"), ("ignore_eos", np.array([[True]]), "BOOL")]:
+            tensor = grpcclient.InferInput(name, list(array.shape), dtype)
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        client.start_stream(callback=lambda result, error: None)
+        for _ in range(3):
+            client.async_stream_infer("generator", inputs)
+        deadline = time.monotonic() + 20
+        while srv.client().stats()["running"] < 3:
+            assert time.monotonic() < deadline, "the requests never started"
+            time.sleep(0.05)
+        srv.process.terminate()
+        try:
+            srv.process.wait(EXIT_TIMEOUT_S + 5)
+        except subprocess.TimeoutExpired:
+            print("tritonserver hung after its exit timeout; killed")
+            srv.process.kill()
+            srv.process.wait(10)
+        deadline = time.monotonic() + 15
+        while any(_alive(pid) for pid in [stub, *engines]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = [pid for pid in [stub, *engines] if _alive(pid)]
+        assert not left, f"still running after the server was killed: {[r for r in _ps() if r[0] in left]}"
+    finally:
+        client.stop_stream(cancel_requests=True)
         srv.stop()

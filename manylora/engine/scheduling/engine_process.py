@@ -13,7 +13,9 @@ response path never stalls the engine. The stub's threads only move requests and
 
 A request's is_cancelled (a Triton response sender's flag) cannot cross processes: a thread here
 polls it every CANCEL_POLL_S and sends a cancel. If the child dies, every request in flight ends
-with UNAVAILABLE and later ones are refused with the reason.
+with UNAVAILABLE and later ones are refused with the reason. The child ends when the pipe closes,
+and, given a host (EngineLaunch.host_pid: tritonserver, for the generator's stub), when its parent
+is no longer the host's child: then it kills its parent, which may be stuck on the gone host, and stops.
 
     engine = EngineProcess(EngineLaunch(model_dir=..., catalogue_file=..., device="auto", knobs={}))
     engine.submit(GenerationRequest(...), emit)   # emit(GenerationOutput) from the receiving thread
@@ -28,6 +30,7 @@ import itertools
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 import traceback
 from collections.abc import Callable
@@ -44,6 +47,7 @@ from manylora.engine.scheduling.observer import EngineObserver, NullObserver
 log = logging.getLogger("manylora.engine")
 
 CANCEL_POLL_S = 0.25  # how often the requests' cancellation flags are read here
+HOST_CHECK_S = 1.0  # how often the child looks whether its parent's host is still there
 CALL_TIMEOUT_S = 300.0  # stats / adapter calls into the child (an adapter load reads and hashes files)
 SHUTDOWN_TIMEOUT_S = 30.0
 OBSERVER_EVENTS = ("request_arrived", "request_failed", "first_token", "request_finished", "adapter_loaded")
@@ -57,6 +61,7 @@ class EngineLaunch:
     catalogue_file: str | None = None  # a catalogue JSON (manylora.engine.adapters.catalogue.load_catalogue_file)
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
     knobs: dict[str, str] = field(default_factory=dict)  # EngineConfig fields as strings (from_strings)
+    host_pid: int | None = None  # the process the parent serves in: when it is gone, parent and engine end
 
     def engine_config(self):
         from manylora.engine.adapters.catalogue import load_catalogue_file
@@ -336,12 +341,38 @@ def run_engine(launch: EngineLaunch, conn) -> None:
     info.update(pid=os.getpid(), adapters=stats["adapters_registered"],
                 runtime_adapters=engine.config.allow_runtime_adapters)
     conn.send(("ready", info))
+    if launch.host_pid is not None:
+        threading.Thread(target=_end_with_host, args=(launch.host_pid,), name="manylora-host-watch",
+                         daemon=True).start()
     try:
         _serve(engine, outbox, conn)
     finally:
         engine.shutdown()
         with contextlib.suppress(OSError, ValueError):
             outbox.flush()
+
+
+def _parent_of(pid: int) -> int | None:
+    """A process's parent pid (from /proc), None when it is gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _end_with_host(host_pid: int) -> None:
+    """Once this process's parent is no longer host_pid's child (the host exited: its children went to another
+    parent), kill the parent and close the pipe: _serve sees the end, and the engine stops (module docstring)."""
+    parent = os.getppid()
+    if _parent_of(parent) != host_pid:  # no /proc to read, or launched by another process than the host's child
+        log.warning("not watching host %d: it is not the parent of this engine's parent %d", host_pid, parent)
+        return
+    while _parent_of(parent) == host_pid:
+        threading.Event().wait(HOST_CHECK_S)
+    log.error("the host process %d is gone; ending its stub %d and this engine", host_pid, parent)
+    with contextlib.suppress(OSError):
+        os.kill(parent, signal.SIGKILL)
 
 
 def _serve(engine, outbox: _Outbox, conn) -> None:

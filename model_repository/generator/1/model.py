@@ -18,6 +18,10 @@ the ensemble) carries an unguessable `request_key` on every response, gets a hea
 (only `request_key`) after KEEPALIVE_S without output, and postprocessing, which sees the
 cancelled flag on the step request such a response makes, sends {"op": "cancel", "key": ...} back.
 Metrics: generator_metrics.MetricsObserver (pb_utils.MetricFamily), the engine's observer.
+
+The engine process is launched with this stub's parent (tritonserver) as its host (EngineLaunch.host_pid): Triton
+2.51 can leave this stub behind when it exits without unloading the model, its threads waiting on the gone server
+forever (with the GIL held, so no thread here could notice), and the engine process ends it and stops itself.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import contextlib
 import faulthandler
 import itertools
 import json
+import os
 import secrets
 import signal
 import threading
@@ -92,7 +97,8 @@ def engine_launch(parameters: dict, instance_kind: str = "", device_id: str | in
         raise pb_utils.TritonModelException("generator: parameter 'base_model' (a checkpoint directory) is empty")
     knobs = {k: v for k, v in values.items() if v and k not in NOT_ENGINE_FIELDS}
     return EngineLaunch(model_dir=values["base_model"], catalogue_file=values.get("adapters") or None,
-                        device=instance_device(values.get("device") or "auto", instance_kind, device_id), knobs=knobs)
+                        device=instance_device(values.get("device") or "auto", instance_kind, device_id), knobs=knobs,
+                        host_pid=os.getppid())
 
 
 def adapter_label_limit(parameters: dict) -> int:
