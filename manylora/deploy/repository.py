@@ -37,6 +37,7 @@ ENGINE_PARAMS = (
     "max_queue_size",
     "tensor_parallel_size",
     "stream_interval_ms",
+    "stream_responses_per_s",
 )
 # config.pbtxt parameters of the generator model file itself, not EngineConfig fields
 MODEL_PARAMS = ("metrics_adapter_labels",)

@@ -131,6 +131,11 @@ class EngineConfig:
             once, its last with the end): the tokens of the interval travel in one response. Each response costs
             the Triton stub the same whatever it holds, so one per token would cap the server far below the
             engine; 0: one response per token (as far as UTF-8 boundaries and stop strings allow).
+        stream_responses_per_s: the streamed responses a second the running requests may make together; with
+            more streams running than this allows at stream_interval_ms, each stream's interval grows to
+            (streams running) / stream_responses_per_s. A path whose every response costs several process
+            crossings (the `llm` ensemble: generator, ensemble step, postprocessing) then sends fewer, larger
+            chunks under load, and per-token chunks when few streams run. 0: off (stream_interval_ms alone).
     """
 
     model_dir: str
@@ -173,6 +178,7 @@ class EngineConfig:
     strict_adapters: bool = False
     list_adapter_paths: bool = False
     stream_interval_ms: float = 50.0
+    stream_responses_per_s: float = 1500.0
 
     def __post_init__(self) -> None:
         positive = ("max_lora_rank", "max_loras", "max_num_seqs", "max_num_batched_tokens", "page_size",
@@ -195,6 +201,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.host_cache_fraction must be in [0, 1], got {self.host_cache_fraction}")
         if not 0.0 <= self.stream_interval_ms <= 10_000:
             raise ValueError(f"EngineConfig.stream_interval_ms must be in [0, 10000], got {self.stream_interval_ms}")
+        if not 0.0 <= self.stream_responses_per_s <= 1e7:
+            raise ValueError(f"EngineConfig.stream_responses_per_s must be in [0, 1e7] (0: off), got "
+                             f"{self.stream_responses_per_s}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError(f"EngineConfig.gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
 

@@ -422,6 +422,7 @@ class Engine:
         self._drop_cancelled()
         if not self.scheduler.has_work():
             return None
+        self._pace_streams()
         try:
             self._prefetch()
             return self.step()
@@ -430,6 +431,17 @@ class Engine:
             if self.tp is not None and self.tp.broken:  # no step can run again: fail what waits
                 self._fail_all(self.tp.broken.splitlines()[0])
             return True
+
+    def _pace_streams(self) -> None:
+        """With stream_responses_per_s, each running stream's interval: (streams running) / that rate, never below
+        stream_interval_ms (EngineConfig says why)."""
+        rate = self.config.stream_responses_per_s
+        if rate <= 0:
+            return
+        streams = [seq for seq in self.scheduler.running if seq.request.stream]
+        interval = max(self.config.stream_interval_ms / 1000, len(streams) / rate)
+        for seq in streams:
+            seq.stream_interval_s = interval
 
     def _drain_inbox(self) -> None:
         while True:
