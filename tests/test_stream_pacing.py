@@ -60,8 +60,8 @@ def test_many_streams_share_a_response_rate(base, rate):
         assert [t for _, out in got for t in out.token_ids] == result.token_ids
         assert [out.finished for _, out in got].count(True) == 1 and got[-1][1].finished
         gaps = [b - a for (a, _), (b, _) in zip(got, got[1:-1], strict=False)]  # the last goes with the end
-        if rate == 0:  # chunks as often as steps (several tokens only where a character spans tokens)
-            assert sorted(gaps)[len(gaps) // 2] < INTERVAL_S / 2, f"{request.request_id}: {gaps}"
-        else:  # while all STREAMS run (the first half of the chunks, at least), none closer than the interval
-            assert len(gaps) >= 4, f"{request.request_id}: {len(got)} chunks"
-            assert min(gaps[: len(gaps) // 2]) >= INTERVAL_S * (STREAMS - 1) / STREAMS - 0.002, gaps
+        if rate == 0:  # a chunk a step (several tokens only where a character spans tokens)
+            assert len(got) >= len(result.token_ids) // 4, f"{request.request_id}: {len(got)} chunks"
+        else:  # every stream runs to the end together (same lengths): no two chunks closer than the interval
+            assert gaps, f"{request.request_id}: {len(got)} chunks, none between the first and the last"
+            assert min(gaps) >= INTERVAL_S * (STREAMS - 1) / STREAMS - 0.002, gaps
