@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import traceback
 from collections.abc import Callable
 
@@ -64,8 +65,9 @@ class OutputDelivery:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        deadline = time.monotonic() + timeout
         for thread in self._threads:
-            thread.join(timeout)
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def _next(self) -> tuple[str, list[GenerationOutput]] | None:
         """The first waiting request no other thread is delivering, and its outputs; None once closed and empty."""
