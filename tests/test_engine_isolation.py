@@ -48,7 +48,7 @@ class TieOracle:
     def __init__(self, base: str, adapters: dict[str, str]):
         self.base, self.adapters, self.models = base, adapters, {}
 
-    def _model(self, adapter: str | None):
+    def model(self, adapter: str | None):
         if adapter not in self.models:
             from transformers import AutoModelForCausalLM
 
@@ -63,7 +63,7 @@ class TieOracle:
     def tie(self, adapter: str | None, context: list[int], x: int, y: int) -> bool:
         """Whether tokens x and y both sit within TIE of the best next-token logit after context."""
         with torch.no_grad():
-            logits = self._model(adapter)(torch.tensor([context])).logits[0, -1]
+            logits = self.model(adapter)(torch.tensor([context])).logits[0, -1]
         best = logits.max()
         return bool(best - logits[x] <= TIE and best - logits[y] <= TIE)
 
@@ -332,7 +332,7 @@ def test_the_tie_allowance_lets_no_other_difference_through(engine, oracle):
         assert _differs_from_alone(engine, oracle, request, tokens, reason)[0] is None
         at = rng.randrange(len(tokens))
         with torch.no_grad():
-            logits = oracle._model(request.adapter)(torch.tensor([request.prompt_ids + tokens[:at]])).logits[0, -1]
+            logits = oracle.model(request.adapter)(torch.tensor([request.prompt_ids + tokens[:at]])).logits[0, -1]
         changed = [*tokens[:at], int(logits.argmin()), *tokens[at + 1:]]  # the least likely token: no tie
         assert f"at token {at}" in _differs_from_alone(engine, oracle, request, changed, reason)[0]
         assert _differs_from_alone(engine, oracle, request, tokens[:at], "stop")[0] is not None

@@ -56,10 +56,6 @@ class OutputDelivery:
                     self.merged += 1
             self._cond.notify()
 
-    def waiting(self) -> int:
-        with self._cond:
-            return sum(len(outputs) for outputs in self._pending.values())
-
     def close(self, timeout: float = 5.0) -> None:
         """Deliver what waits, then stop the threads (within ``timeout`` seconds in all)."""
         with self._cond:

@@ -174,6 +174,7 @@ class Engine:
         self._wake = threading.Event()
         self._state_lock = LoopStateLock()
         self._last_cancel_poll = 0.0
+        self._paced_interval_s = config.stream_interval_ms / 1000  # the interval _pace_streams last gave
         self._stopping = threading.Event()
         self._counters = {"steps": 0, "requests": 0, "finished": 0, "errors": 0, "tokens_out": 0, "tokens_in": 0}
         self._refused = 0  # requests refused before they were queued (submit, or the caller's own parsing)
@@ -438,8 +439,12 @@ class Engine:
         rate = self.config.stream_responses_per_s
         if rate <= 0:
             return
+        floor = self.config.stream_interval_ms / 1000
         streams = [seq for seq in self.scheduler.running if seq.request.stream]
-        interval = max(self.config.stream_interval_ms / 1000, len(streams) / rate)
+        interval = max(floor, len(streams) / rate)
+        if interval == floor == self._paced_interval_s:  # few streams: each has the floor since its submit
+            return
+        self._paced_interval_s = interval
         for seq in streams:
             seq.stream_interval_s = interval
 

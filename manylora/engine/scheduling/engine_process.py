@@ -18,7 +18,7 @@ and, given a host (EngineLaunch.host_pid: tritonserver, for the generator's stub
 is no longer the host's child: then it kills its parent, which may be stuck on the gone host, and stops.
 
     engine = EngineProcess(EngineLaunch(model_dir=..., catalogue_file=..., device="auto", knobs={}))
-    engine.submit(GenerationRequest(...), emit)   # emit(GenerationOutput) from the receiving thread
+    engine.submit(GenerationRequest(...), emit)   # emit(GenerationOutput) from a delivery thread
 """
 
 from __future__ import annotations
