@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import manylora.engine.scheduling.engine as engine_module
+import manylora.engine.scheduling.assembly as assembly_module
 from manylora.engine.adapters.catalogue import CatalogueEntry
 from manylora.engine.config import EngineConfig
 from manylora.engine.errors import AdapterError, ErrorCode
@@ -187,7 +187,7 @@ class _FailingScheduler:
 def test_a_start_that_fails_part_way_stops_what_it_started(setup, monkeypatch, tensor_parallel_size):
     _, base, good, _ = setup
     before = _engine_threads_and_children()
-    monkeypatch.setattr(engine_module, "Scheduler", _FailingScheduler)
+    monkeypatch.setattr(assembly_module, "Scheduler", _FailingScheduler)
     config = _config(base, good, adapter_load_processes=1, tensor_parallel_size=tensor_parallel_size)
     with pytest.raises(RuntimeError, match="injected"):
         Engine(config)

@@ -16,6 +16,7 @@ from manylora.engine.memory import sizing
 from manylora.engine.memory.unified_pool import page_bytes
 from manylora.engine.model_config import PROJECTIONS, ModelConfig
 from manylora.engine.requests.types import GenerationRequest, SamplingParams
+from manylora.engine.scheduling.assembly import num_pages
 from manylora.engine.scheduling.engine import Engine
 from manylora.engine.scheduling.offline import generate
 from model_factory import make_base, write_random_adapter
@@ -105,20 +106,25 @@ def sized_on_gpu(base, monkeypatch):
     engine.shutdown()
 
 
+def _pool_pages(engine: Engine) -> int:
+    """The pages the engine's pool gets with its config now, on its device (``assembly.num_pages``)."""
+    return num_pages(engine.config, engine.pool_config, engine.device, engine.dtype, engine.max_len)
+
+
 @pytest.mark.parametrize("free_gib", [10, 80, 139])
 def test_pool_pages_from_free_is_the_engines_rule(sized_on_gpu, free_gib):
     """For the same free bytes, the engine (on CUDA, num_kv_pages unset) sizes its pool as the planner says."""
     free = free_gib * 2**30
     engine = sized_on_gpu(free)
     psize = page_bytes(engine.model_config, PAGE_SIZE, engine.dtype)
-    assert engine._num_pages() == sizing.pool_pages_from_free(free, engine.config.gpu_memory_fraction, psize)
+    assert _pool_pages(engine) == sizing.pool_pages_from_free(free, engine.config.gpu_memory_fraction, psize)
 
 
 def test_too_little_free_gpu_memory_is_refused_with_the_numbers(sized_on_gpu):
     """A pool that cannot hold one max_model_len request beside one max-rank adapter stops start-up with
     the free memory and the knobs to turn, instead of serving from a 1-page pool that refuses everything."""
     with pytest.raises(RuntimeError, match=r"2\.0 GiB free.*max_model_len"):
-        sized_on_gpu(2 * 2**30)._num_pages()
+        _pool_pages(sized_on_gpu(2 * 2**30))
 
 
 def test_plan_capacity_numbers(base):

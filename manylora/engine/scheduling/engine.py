@@ -22,46 +22,26 @@ import torch
 
 from manylora.engine.adapters.catalogue import AdapterCatalogue
 from manylora.engine.adapters.directory import AdapterDirectory
-from manylora.engine.adapters.host_cache import HostAdapterCache
-from manylora.engine.adapters.process_loader import SHM_DIR, choose_directory
 from manylora.engine.adapters.resolvers import load_resolvers
 from manylora.engine.adapters.spec import AdapterSpec
-from manylora.engine.config import EngineConfig, ModelKernelOptions
-from manylora.engine.devices import default_load_processes, resolve_device, resolve_kernels
+from manylora.engine.config import EngineConfig
+from manylora.engine.devices import resolve_device, resolve_kernels
 from manylora.engine.errors import ErrorCode, RequestError
-from manylora.engine.execution.cuda_graphs import DecodeGraphs
-from manylora.engine.execution.step_builder import StepBuilder, StepLists
-from manylora.engine.execution.step_graphs import MixedStepGraphs
-from manylora.engine.execution.warmup import warm_up
-from manylora.engine.layers.decode_gemms import device_group_carveouts, device_sm_carveout
-from manylora.engine.memory.adapter_manager import AdapterManager
-from manylora.engine.memory.kv_cache import PagedKVCache
-from manylora.engine.memory.sizing import adapter_pages, gpu_pool_pages, host_cache_bytes
-from manylora.engine.memory.unified_pool import ReservedPage, UnifiedPool, page_bytes
+from manylora.engine.execution.step_builder import StepLists
 from manylora.engine.model_config import ModelConfig
-from manylora.engine.models.llama import LlamaModel
 from manylora.engine.models.loader import resolve_dtype
-from manylora.engine.models.moe import MoeModel
-from manylora.engine.parallel.runtime import (
-    TensorParallelGroup,
-    TensorParallelModel,
-    TensorParallelSetup,
-    new_init_file,
-    rank_host_cache,
-)
-from manylora.engine.parallel.sharding import local_config
 from manylora.engine.requests.checks import check_request
 from manylora.engine.requests.detokenize import IncrementalDecoder, load_tokenizer
 from manylora.engine.requests.sampling import is_greedy, make_generator, sample_next
 from manylora.engine.requests.types import EmitFn, GenerationOutput, GenerationRequest
+from manylora.engine.scheduling.assembly import assemble
 from manylora.engine.scheduling.observer import EngineObserver, NullObserver
-from manylora.engine.scheduling.scheduler import ScheduledChunk, Scheduler
+from manylora.engine.scheduling.scheduler import ScheduledChunk
 from manylora.engine.scheduling.sequence import Sequence, Status
 from manylora.engine.scheduling.state_lock import LoopStateLock
 
 log = logging.getLogger("manylora.engine")
 
-CPU_POOL_BYTES_CAP = 2 << 30  # without a GPU, the pool takes at most this much host memory
 PREFETCH_LOOKAHEAD = 64  # waiting requests whose adapters are loaded ahead
 # how often cancellation flags are read and heartbeats sent; each read of a Triton response sender's flag is a round
 # trip to the server process, so not every step
@@ -115,58 +95,22 @@ class Engine:
         self.catalogue.register_all(config.adapters, strict=config.strict_adapters)
         self.directory = AdapterDirectory(self.catalogue, load_resolvers(config.resolvers),
                                           config.allow_runtime_adapters, config.list_adapter_paths)
-        # adapter loader processes and the host tier's byte limit, resolved once for every rank
-        self.load_processes = (config.adapter_load_processes if config.adapter_load_processes is not None
-                               else default_load_processes(self.device))
-        directory = choose_directory() if self.load_processes else None
-        self.host_cache_bytes = host_cache_bytes(config.host_cache_fraction / config.tensor_parallel_size,
-                                                 directory if directory == SHM_DIR else None)
-        t0 = time.perf_counter()
-        self.tp: TensorParallelGroup | None = None
-        host: HostAdapterCache | None = None
-        try:  # a failure from here on first stops what was started (loaders, ranks): the process must exit cleanly
-            # the shapes this process's pool and model shard have: the whole model, or tensor-parallel rank 0's part
-            self.pool_config = cfg
-            if config.tensor_parallel_size > 1:
-                self.model = self._start_tensor_parallel()
-            else:
-                model_class = MoeModel if cfg.is_moe else LlamaModel
-                self.model = model_class.load(config.model_dir, cfg, self.max_len, self.device, self.dtype)
-                ModelKernelOptions.of(config, self.use_kernels).apply_to(self.model)
-            log.info("loaded %s (%.1f MB%s) on %s as %s in %.1fs", cfg.architecture, self.model.weight_bytes() / 1e6,
-                     " on rank 0" if self.tp else "", self.device, self.dtype, time.perf_counter() - t0)
-            self.pool = UnifiedPool(self.pool_config, self._num_pages(), config.page_size, self.dtype, self.device)
-            self.kv = PagedKVCache(self.pool)
-            on_load = lambda name, seconds: self.observer.adapter_loaded(name, seconds)  # noqa: E731
-            if self.tp is not None:
-                self.tp.start(self.pool.num_pages)
-                host = rank_host_cache(self.tp.setup, cfg, 0, self.pool.page_elems, on_load=on_load)
-            else:
-                host = HostAdapterCache(cfg, self.dtype, self.pool.page_elems, config.max_lora_rank,
-                                        config.max_cpu_loras, pin_memory=False, workers=config.adapter_load_workers,
-                                        on_load=on_load, rehash=config.rehash_adapters,
-                                        processes=self.load_processes, max_bytes=self.host_cache_bytes)
-            self.adapters = AdapterManager(self.catalogue, self.pool, host, self.device, mirror=self.tp)
-            self._log_pool()
-            self.scheduler = Scheduler(self.kv, self.adapters, config.max_num_seqs, config.max_num_batched_tokens,
-                                       config.max_loras, config.admit_every_steps, config.async_adapter_uploads)
-            self.steps = StepBuilder(cfg, self.kv, self.adapters, self.device, self.use_kernels,
-                                     paged_prefill=config.prefill_attention == "paged",
-                                     decode_form=config.decode_lora_kernels)
-            # MoE: decode graphs (the fused expert kernels have static shapes), eager warm-up not written yet; tensor
-            # parallelism: neither yet (every rank would have to capture and warm up in step)
-            dense = not cfg.is_moe and self.tp is None
-            if config.warmup and self.use_kernels and self.device.startswith("cuda") and dense:
-                warm_up(self.model, self.kv, config.max_lora_rank, config.max_num_batched_tokens, config.max_num_seqs,
-                        max_len=self.max_len, paged_prefill=config.prefill_attention == "paged",
-                        decode_form=config.decode_lora_kernels)
-            self.graphs: DecodeGraphs | None = None
-            self.mixed_graphs: MixedStepGraphs | None = None
-            if config.cuda_graphs and self.use_kernels and self.device.startswith("cuda") and self.tp is None:
-                self._capture_graphs()
-        except BaseException:
-            self._stop_partial_start(host)
-            raise
+        # the model, pool, KV cache, adapter tiers, scheduler, step builder and CUDA graphs, built in order (a failure
+        # first stops what was started: manylora/engine/scheduling/assembly.py)
+        parts = assemble(config, cfg, self.device, self.dtype, self.use_kernels, self.max_len, self.catalogue,
+                         on_adapter_loaded=lambda name, seconds: self.observer.adapter_loaded(name, seconds))
+        self.load_processes = parts.load_processes
+        self.host_cache_bytes = parts.host_cache_bytes
+        self.pool_config = parts.pool_config
+        self.tp = parts.tp
+        self.model = parts.model
+        self.pool = parts.pool
+        self.kv = parts.kv
+        self.adapters = parts.adapters
+        self.scheduler = parts.scheduler
+        self.steps = parts.steps
+        self.graphs = parts.graphs
+        self.mixed_graphs = parts.mixed_graphs
         # on a GPU the forward is launched and then awaited, and loaders use the wait; on the CPU the
         # forward is the computation itself, and shutting loaders out of it would stall loading
         self._gate_loaders = self.device.startswith("cuda")
@@ -183,103 +127,6 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="manylora-engine", daemon=True)
         if start:
             self._thread.start()
-
-    def _stop_partial_start(self, host: HostAdapterCache | None) -> None:
-        """After ``__init__`` failed part-way: shut down what it had started (the host tier's loader threads and
-        processes, the GPU tier's copier, the tensor-parallel ranks). A failure here is logged; the constructor's
-        own exception is the one raised."""
-        adapters = getattr(self, "adapters", None)
-        stops = [host.shutdown if host is not None else None, adapters.gpu.shutdown if adapters is not None else None,
-                 self.tp.shutdown if self.tp is not None else None]
-        for stop in (s for s in stops if s is not None):
-            try:
-                stop()
-            except Exception:  # noqa: BLE001 - the start's own error is the one to report
-                log.exception("engine start failed, and %s failed too", stop.__qualname__)
-
-    def _start_tensor_parallel(self) -> TensorParallelModel:
-        """Spawn ranks 1.. and load rank 0's shard; the model the engine then calls drives them all."""
-        c, cfg = self.config, self.model_config
-        if cfg.is_moe:
-            raise ValueError(f"tensor_parallel_size {c.tensor_parallel_size}: MoE bases ({cfg.architecture}) are "
-                             f"served on one GPU only for now")
-        dtype_name = str(self.dtype).replace("torch.", "")
-        setup = TensorParallelSetup(
-            model_dir=c.model_dir, tp_size=c.tensor_parallel_size, device=self.device, dtype=dtype_name,
-            max_len=self.max_len, page_size=c.page_size, max_lora_rank=c.max_lora_rank,
-            max_cpu_loras=c.max_cpu_loras, kernels=ModelKernelOptions.of(c, self.use_kernels),
-            rehash_adapters=c.rehash_adapters, adapter_load_workers=c.adapter_load_workers,
-            adapter_load_processes=self.load_processes, host_cache_bytes=self.host_cache_bytes,
-            init_file=new_init_file())
-        self.pool_config = local_config(cfg, c.tensor_parallel_size)
-        self.tp = TensorParallelGroup(setup, cfg)
-        return self.tp.model
-
-    # ------------------------------------------------------------------ sizing
-    def _num_pages(self) -> int:
-        """Pages in the unified pool: given, or what free memory holds less a margin."""
-        cfg, c = self.pool_config, self.config
-        size = page_bytes(cfg, c.page_size, self.dtype)
-        if c.num_kv_pages:
-            return c.num_kv_pages
-        if self.device.startswith("cuda"):
-            return gpu_pool_pages(c.gpu_memory_fraction, size, -(-self.max_len // c.page_size),
-                                  self._max_rank_adapter_pages(),
-                                  f"max_model_len {self.max_len} and one rank-{c.max_lora_rank} adapter")
-        kv_pages = c.max_num_seqs * -(-self.max_len // c.page_size)
-        return max(1, min(kv_pages + c.max_loras * self._max_rank_adapter_pages(), CPU_POOL_BYTES_CAP // size))
-
-    def _max_rank_adapter_pages(self) -> int:
-        """Pages of an adapter of rank max_lora_rank on every projection of every layer."""
-        return adapter_pages(self.pool_config, self.config.max_lora_rank, self.config.page_size)
-
-    def _capture_graphs(self) -> None:
-        t0 = time.perf_counter()
-        c = self.config
-        carveout = device_sm_carveout(c.decode_gemm_sm_carveout, c.decode_gemm_blas, self.device)
-        groups = device_group_carveouts(c.decode_gemm_group_carveouts, self.device)
-        scratch = self.pool.pages.allocate(ReservedPage("cuda-graph padding"), 1)[0]
-        max_blocks = self.kv.pages_needed(self.max_len)
-        self.graphs = DecodeGraphs(self.model, self.kv, scratch, c.max_num_seqs, max_blocks, c.max_loras,
-                                   c.max_lora_rank, decode_form=c.decode_lora_kernels, gemm_blas=c.decode_gemm_blas,
-                                   gemm_sm_carveout=carveout, gemm_group_carveouts=groups)
-        try:
-            self.graphs.capture_all()
-        except Exception:
-            if not self.model_config.is_moe:
-                raise
-            # the MoE capture is the newer path: a failure costs its speed, not the server
-            log.warning("MoE decode steps could not be captured in CUDA graphs; they run eagerly:\n%s",
-                        traceback.format_exc())
-            self.graphs = None
-            return
-        if self.config.mixed_step_graphs and not self.model_config.is_moe:
-            self.mixed_graphs = MixedStepGraphs(self.model, self.kv, scratch, self.config.max_num_batched_tokens,
-                                                self.config.max_num_seqs, max_blocks, self.config.max_loras,
-                                                self.config.max_lora_rank)
-            try:
-                self.mixed_graphs.capture_all()
-            except torch.cuda.OutOfMemoryError:  # what the pool's margin left was too little: eager steps then
-                log.warning("mixed steps could not be captured in CUDA graphs (out of memory); they run eagerly:"
-                            "\n%s", traceback.format_exc())
-                self.mixed_graphs = None
-                torch.cuda.empty_cache()
-        log.info("CUDA graphs captured in %.1fs", time.perf_counter() - t0)
-
-    def _log_pool(self) -> None:
-        cfg, c, pool = self.pool_config, self.config, self.pool
-        mb = page_bytes(cfg, c.page_size, self.dtype) / 2**20
-        log.info("unified pool: %d pages of %.2f MiB (%d KV tokens each); %d KV tokens if no adapter is resident",
-                 pool.num_pages, mb, c.page_size, pool.num_pages * c.page_size)
-        host = self.adapters.host
-        log.info("host tier: at most %s adapters (max_cpu_loras) and %s (host_cache_fraction %.2f)",
-                 host.capacity if host.capacity is not None else "any number of",
-                 f"{host.max_bytes / 2**30:.1f} GiB" if host.max_bytes is not None else "no byte limit",
-                 c.host_cache_fraction)
-        for rank in sorted({8, 16, 64, c.max_lora_rank}):
-            if rank <= c.max_lora_rank:
-                log.info("  a rank-%d adapter on all 7 projections takes %d pages",
-                         rank, adapter_pages(cfg, rank, c.page_size))
 
     # ------------------------------------------------------------- admission
     def validate(self, request: GenerationRequest) -> AdapterSpec | None:
