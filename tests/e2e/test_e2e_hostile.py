@@ -90,7 +90,7 @@ def test_hostile_inputs_fail_alone_and_the_server_stays_ready(server, client, to
 
 def test_queue_flood_refuses_some_and_finishes_the_rest(admin_server, tokenizer):
     """max_num_seqs 2 + max_queue_size 4: of 40 concurrent requests, some get "queue full",
-    every other one finishes with the full greedy output."""
+    every other one (at least the queue's worth) finishes with the full greedy output."""
     client = admin_server.client()
     ids = tokenizer.encode(PROMPT, add_special_tokens=True).ids
     expected = client.generate_ids(ids, max_tokens=24)
@@ -107,7 +107,9 @@ def test_queue_flood_refuses_some_and_finishes_the_rest(admin_server, tokenizer)
     finished = [o for o in outcomes if not isinstance(o, ManyLoraError)]
     assert refused, "no request was refused: the queue limit did not act"
     assert all("queue full" in e.message and "max_queue_size" in e.message for e in refused), refused[:3]
-    assert len(finished) >= 6, len(finished)
+    # at least the queue's 4 finish; 2 more (the running batch) only if the engine admitted some before the rest
+    # arrived: when all 40 reach it first, 4 wait and 36 are refused
+    assert len(finished) >= 4, len(finished)
     assert all(o == expected for o in finished)
     print(f"queue flood: {len(finished)} finished, {len(refused)} refused: {refused[0].message!r}")
     assert admin_server.ready()
