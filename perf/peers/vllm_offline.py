@@ -104,7 +104,9 @@ def execute(plan: VllmPlan) -> dict:
         requests = build_requests(config, n)
         guess = 0.0 if last_rate is None else SLOWDOWN_GUESS * len(requests) / last_rate
         if time.monotonic() + guess > plan.deadline:
-            results["skipped"].append(f"vllm max_loras={plan.max_loras} n={n}: the time budget was spent")
+            results["skipped"].append(f"vllm max_loras={plan.max_loras} n={n}: the time budget was spent "
+                                      f"(about {guess:.0f} s needed)")
+            out.write_text(json.dumps(results, indent=1) + "\n")
             continue
         outputs, wall = generate(requests)
         rows, tokens, exact = [], 0, 0
