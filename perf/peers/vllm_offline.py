@@ -84,7 +84,11 @@ def execute(plan: VllmPlan) -> dict:
         dtype=plan.dtype,
     )
     results["start_s"] = round(time.monotonic() - t, 1)
-    out.write_text(json.dumps(results, indent=1) + "\n")
+
+    def save() -> None:  # after each run or skip, so a child stopped later still leaves what it did
+        out.write_text(json.dumps(results, indent=1) + "\n")
+
+    save()
 
     def generate(requests) -> tuple[list, float]:
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
@@ -106,7 +110,7 @@ def execute(plan: VllmPlan) -> dict:
         if time.monotonic() + guess > plan.deadline:
             results["skipped"].append(f"vllm max_loras={plan.max_loras} n={n}: the time budget was spent "
                                       f"(about {guess:.0f} s needed)")
-            out.write_text(json.dumps(results, indent=1) + "\n")
+            save()
             continue
         outputs, wall = generate(requests)
         rows, tokens, exact = [], 0, 0
@@ -127,7 +131,7 @@ def execute(plan: VllmPlan) -> dict:
             f.writelines(json.dumps(row) + "\n" for row in rows)
         last_rate = result.req_per_s
         results["offline"].append(asdict(result))
-        out.write_text(json.dumps(results, indent=1) + "\n")
+        save()
         print(f"[vllm max_loras={plan.max_loras}] n={n}: {result.req_per_s:.2f} req/s, "
               f"{result.output_tok_per_s:.0f} tok/s in {wall:.1f} s", flush=True)
     return results
