@@ -6,6 +6,7 @@ Each test draws a new seed (printed in its failure message) so that repeated run
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -34,7 +35,7 @@ from perf.capacity.metrics import (
     summarize_offline,
     summarize_sweep_point,
 )
-from perf.capacity.report import Store, merge_stores, offline_rows, sweeps, token_identity
+from perf.capacity.report import Store, merge_stores, offline_rows, offline_table, sweeps, token_identity
 from perf.capacity.requests import (
     CapacityRequest,
     RequestSetConfig,
@@ -347,6 +348,44 @@ def test_merging_stores_of_calls_on_several_machines(tmp_path, rng):
     stranger.save()
     with pytest.raises(ValueError, match="different configurations"):
         merge_stores([tmp_path / "a.json", tmp_path / "d.json"], tmp_path)
+
+
+def test_each_ratio_is_against_the_engine_of_its_own_call(tmp_path, rng):
+    """Two calls each ran the engine (at different speeds) and a target: each target is rated against its own
+    call's engine, also after the stores of both calls are merged; a call without an engine run at that count
+    falls back to the latest, and the table says so."""
+    config = {"shape": "tiny"}
+    slow, fast = sorted(float(x) for x in rng.uniform(10, 50, size=2))
+    first = Store(tmp_path / "a.json", config)
+    first.data["calls"].append({"date": "2026-12-06T10:00:00", "command": "engine,server_stream"})
+    first.put_offline(_offline("engine", 5, slow), 0, ["a"])
+    first.put_offline(_offline("server_stream", 5, 0.9 * slow), 0, ["a"])
+    first.save()
+    second = Store(tmp_path / "a.json", config)  # the same machine, a later call: its engine replaces the first's
+    second.data["calls"].append({"date": "2026-12-06T10:09:00", "command": "engine,vllm"})
+    second.put_offline(_offline("engine", 5, fast), 1, ["a"])
+    second.put_offline(_offline("vllm_k8", 5, 0.5 * fast), 1)
+    second.put_offline(_offline("server_nostream", 5, 0.8 * fast), 2)  # a call that ran no engine
+    second.path = tmp_path / "b.json"
+    second.save()
+    rows = {r["target"]: r for r in offline_rows(second, [5])}
+    assert rows["engine"]["req_per_s"] == fast
+    assert rows["server_stream"]["ratio_req_per_s"] == pytest.approx(0.9)
+    assert rows["server_stream"]["baseline_call"] == 0
+    assert rows["vllm_best"]["ratio_req_per_s"] == pytest.approx(0.5)
+    assert rows["server_nostream"]["ratio_req_per_s"] == pytest.approx(0.8)
+    assert rows["server_nostream"]["baseline_call"] == 1
+    table = offline_table(list(rows.values()), [5])
+    assert "(x0.90)" in table and "(x0.80 of call 1's engine)" in table
+
+    for name in ("a.json", "b.json"):  # stores written before engine runs were kept per call
+        old = json.loads((tmp_path / name).read_text())
+        del old["engine_runs"]
+        (tmp_path / name).write_text(json.dumps(old))
+    merged = merge_stores([tmp_path / "b.json", tmp_path / "a.json"], tmp_path / "m")
+    merged_rows = {r["target"]: r for r in offline_rows(merged, [5])}
+    assert merged_rows["server_stream"]["ratio_req_per_s"] == pytest.approx(0.9)
+    assert merged_rows["vllm_best"]["ratio_req_per_s"] == pytest.approx(0.5)
 
 
 def test_sweeps_group_points_and_report_the_knee(tmp_path):

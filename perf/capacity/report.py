@@ -44,8 +44,11 @@ class Store:
         self.path = path
         data = {} if fresh or not path.is_file() else json.loads(path.read_text())
         self.data = {"config": config, "offline": {}, "sweep": {}, "soak": {}, "vllm": {}, "calls": [],
-                     "skipped": [], "warnings": [], "notes": [], "servers": [], **data}
+                     "skipped": [], "warnings": [], "notes": [], "servers": [], "engine_runs": {}, **data}
         self.data["config"] = config
+        for entry in self.data["offline"].values():  # stores written before engine_runs existed
+            if entry["target"] == "engine":
+                self._keep_engine_run(entry)
 
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -56,9 +59,24 @@ class Store:
         if digests is not None:
             entry["digests"] = digests
         self.data["offline"][f"{result['target']}|{result['adapters']}"] = entry
+        if result["target"] == "engine":
+            self._keep_engine_run(entry)
+
+    def _keep_engine_run(self, entry: dict) -> None:
+        """Every call's engine run at each adapter count (``offline`` keeps only the latest): the baseline of
+        the other targets that call measured."""
+        if entry.get("call") is None:
+            return
+        self.data["engine_runs"].setdefault(f"{entry['call']}|{entry['adapters']}", {
+            k: entry.get(k) for k in ("adapters", "call", "req_per_s", "output_tok_per_s", "completed")})
 
     def offline(self, target: str, adapters: int) -> dict | None:
         return self.data["offline"].get(f"{target}|{adapters}")
+
+    def baseline(self, call: int | None, adapters: int) -> dict | None:
+        """The engine run a result is rated against: the one of the same call, else the latest at that count."""
+        same = self.data["engine_runs"].get(f"{call}|{adapters}")
+        return same if same and same["completed"] else self.offline("engine", adapters)
 
     def capacity(self, target: str, adapters: int) -> float | None:
         entry = self.offline(target, adapters)
@@ -97,6 +115,10 @@ class Store:
         for kind in ("offline", "sweep", "soak", "vllm"):
             for key, entry in other.get(kind, {}).items():
                 self.data[kind][key] = {**entry, "call": mapping.get(entry["call"])} if "call" in entry else entry
+        engine_runs = [*other.get("engine_runs", {}).values(),
+                       *(e for e in other.get("offline", {}).values() if e["target"] == "engine")]
+        for run in engine_runs:
+            self._keep_engine_run({**run, "call": mapping.get(run["call"])})
         for kind in ("skipped", "warnings", "notes"):
             for message in other.get(kind, []):
                 self.add(kind, renumber(message))
@@ -132,14 +154,14 @@ def _fmt(v: float | None, digits: int = 2) -> str:
 
 
 def offline_rows(store: Store, adapter_counts: list[int]) -> list[dict]:
-    """Rows of table (1): each target at each adapter count, its ratio to the in-process engine; vLLM's best K."""
+    """Rows of table (1): each target at each adapter count, its ratio to the in-process engine of the same call
+    (of the latest call that ran it where that call did not: ``baseline_call`` says which); vLLM's best K."""
     offline = store.data["offline"]
     targets = [t for t in OFFLINE_ORDER if any(k.startswith(f"{t}|") for k in offline)]
     vllm_targets = sorted({k.split("|")[0] for k in offline if k.startswith("vllm_k")},
                           key=lambda t: int(t[len("vllm_k"):]))
     rows = []
     for n in adapter_counts:
-        engine = store.offline("engine", n)
         candidates = [store.offline(t, n) for t in vllm_targets]
         candidates = [c for c in candidates if c and c["completed"]]
         best = max(candidates, key=lambda c: c["req_per_s"]) if candidates else None
@@ -147,6 +169,7 @@ def offline_rows(store: Store, adapter_counts: list[int]) -> list[dict]:
             entry = best if target == "vllm_best" else store.offline(target, n)
             if entry is None:
                 continue
+            engine = store.baseline(entry.get("call"), n)
             rows.append({
                 "target": target,
                 "label": label(target),
@@ -163,6 +186,7 @@ def offline_rows(store: Store, adapter_counts: list[int]) -> list[dict]:
                 "capped": entry["capped"],
                 "client_cpu_max": entry.get("client_cpu_max"),
                 "call": entry.get("call"),
+                "baseline_call": engine.get("call") if engine else None,
             })
     return rows
 
@@ -236,7 +260,12 @@ def offline_table(rows: list[dict], adapter_counts: list[int]) -> str:
             if r is None:
                 cells.append("-")
                 continue
-            ratio = "" if r["ratio_req_per_s"] is None or t == "engine" else f" (x{r['ratio_req_per_s']:.2f})"
+            if r["ratio_req_per_s"] is None or t == "engine":
+                ratio = ""
+            elif r["baseline_call"] == r["call"]:
+                ratio = f" (x{r['ratio_req_per_s']:.2f})"
+            else:
+                ratio = f" (x{r['ratio_req_per_s']:.2f} of call {r['baseline_call']}'s engine)"
             flag = " capped" if r["capped"] else ""
             best = f" [max_loras {r['max_loras']}]" if t == "vllm_best" else ""
             cells.append(f"{r['req_per_s']:.2f}, {r['output_tok_per_s']:,.0f}{ratio}{best}{flag}")
@@ -247,14 +276,21 @@ def offline_table(rows: list[dict], adapter_counts: list[int]) -> str:
 
 def offline_details(rows: list[dict]) -> str:
     """Each offline run: completions, exact lengths, whether capped, the busiest client process's CPU, its call."""
-    lines = ["| target | n | done / sent | exact length | capped | busiest client (cores) | call |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| target | n | done / sent | exact length | capped | busiest client (cores) | call | x engine of call |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["target"], r["adapters"])):
         if r["target"] == "vllm_best":
             continue
         lines.append(f"| {r['label']} | {r['adapters']} | {r['completed']} / {r['requests']} | {r['exact_length']} "
-                     f"| {'yes' if r['capped'] else 'no'} | {_fmt(r['client_cpu_max'])} | {r['call']} |")
+                     f"| {'yes' if r['capped'] else 'no'} | {_fmt(r['client_cpu_max'])} | {r['call']} "
+                     f"| {_ratio(r)} |")
     return "\n".join(lines) + "\n"
+
+
+def _ratio(row: dict) -> str:
+    if row["target"] == "engine" or row["ratio_req_per_s"] is None:
+        return "-"
+    return f"{row['ratio_req_per_s']:.3f} of call {row['baseline_call']}"
 
 
 def sweep_table(sweep: dict) -> str:
@@ -325,6 +361,9 @@ def markdown(summary: dict, adapter_counts: list[int]) -> str:
         "## 1. Offline throughput (every request at once, greedy, ignore_eos: exact output lengths)",
         "",
         offline_table(summary["offline_table"], adapter_counts),
+        "The engine's row is its latest run; each ratio is against the engine run of the call that measured the "
+        "entry (the details below give both).",
+        "",
     ]
     lines.append(offline_details(summary["offline_table"]))
     for t in summary["token_identity"]:
