@@ -314,7 +314,8 @@ def test_store_merges_calls_and_rates_against_the_engine(tmp_path, rng):
     rows = {r["target"]: r for r in offline_rows(again, [0, 5])}
     assert rows["server_stream"]["ratio_req_per_s"] == pytest.approx(0.5)
     assert rows["vllm_best"]["ratio_req_per_s"] == pytest.approx(1 / 3) and rows["engine"]["call"] == 0
-    assert token_identity(again) == [{"target": "server_stream", "adapters": 5, "compared": 3, "identical": 2}]
+    assert token_identity(again) == [{"target": "server_stream", "adapters": 5, "engine_call": 0, "compared": 3,
+                                      "identical": 2}]
     assert not Store(tmp_path / "s.json", config, fresh=True).data["offline"]
 
 
@@ -343,7 +344,8 @@ def test_merging_stores_of_calls_on_several_machines(tmp_path, rng):
                                                                           "vllm_k8|5": 2}
     assert merged.data["warnings"] == ["something (call 2)"]
     assert merged.data["skipped"] == ["engine sweep: no capacity (call 0)"]
-    assert token_identity(merged) == [{"target": "server_stream", "adapters": 5, "compared": 2, "identical": 1}]
+    assert token_identity(merged) == [{"target": "server_stream", "adapters": 5, "engine_call": 0, "compared": 2,
+                                       "identical": 1}]
     stranger = Store(tmp_path / "d.json", {"shape": "llama3-8b"})
     stranger.save()
     with pytest.raises(ValueError, match="different configurations"):
@@ -358,12 +360,12 @@ def test_each_ratio_is_against_the_engine_of_its_own_call(tmp_path, rng):
     slow, fast = sorted(float(x) for x in rng.uniform(10, 50, size=2))
     first = Store(tmp_path / "a.json", config)
     first.data["calls"].append({"date": "2026-12-06T10:00:00", "command": "engine,server_stream"})
-    first.put_offline(_offline("engine", 5, slow), 0, ["a"])
-    first.put_offline(_offline("server_stream", 5, 0.9 * slow), 0, ["a"])
+    first.put_offline(_offline("engine", 5, slow), 0, ["a", "b", "c"])
+    first.put_offline(_offline("server_stream", 5, 0.9 * slow), 0, ["a", "b", "y"])
     first.save()
     second = Store(tmp_path / "a.json", config)  # the same machine, a later call: its engine replaces the first's
     second.data["calls"].append({"date": "2026-12-06T10:09:00", "command": "engine,vllm"})
-    second.put_offline(_offline("engine", 5, fast), 1, ["a"])
+    second.put_offline(_offline("engine", 5, fast), 1, ["a", "x", "c"])
     second.put_offline(_offline("vllm_k8", 5, 0.5 * fast), 1)
     second.put_offline(_offline("server_nostream", 5, 0.8 * fast), 2)  # a call that ran no engine
     second.path = tmp_path / "b.json"
@@ -386,6 +388,11 @@ def test_each_ratio_is_against_the_engine_of_its_own_call(tmp_path, rng):
     merged_rows = {r["target"]: r for r in offline_rows(merged, [5])}
     assert merged_rows["server_stream"]["ratio_req_per_s"] == pytest.approx(0.9)
     assert merged_rows["vllm_best"]["ratio_req_per_s"] == pytest.approx(0.5)
+    # tokens: the server against its own call's engine (2 of 3; 1 of 3 against the later engine), the engine of
+    # call 1 against call 0's (2 of 3)
+    assert token_identity(merged) == [
+        {"target": "server_stream", "adapters": 5, "engine_call": 0, "compared": 3, "identical": 2},
+        {"target": "engine", "adapters": 5, "engine_call": 0, "call": 1, "compared": 3, "identical": 2}]
 
 
 def test_sweeps_group_points_and_report_the_knee(tmp_path):

@@ -67,8 +67,9 @@ class Store:
         the other targets that call measured."""
         if entry.get("call") is None:
             return
-        self.data["engine_runs"].setdefault(f"{entry['call']}|{entry['adapters']}", {
-            k: entry.get(k) for k in ("adapters", "call", "req_per_s", "output_tok_per_s", "completed")})
+        keep = ("adapters", "call", "req_per_s", "output_tok_per_s", "completed", "digests")
+        self.data["engine_runs"].setdefault(f"{entry['call']}|{entry['adapters']}",
+                                            {k: entry[k] for k in keep if k in entry})
 
     def offline(self, target: str, adapters: int) -> dict | None:
         return self.data["offline"].get(f"{target}|{adapters}")
@@ -192,17 +193,32 @@ def offline_rows(store: Store, adapter_counts: list[int]) -> list[dict]:
 
 
 def token_identity(store: Store) -> list[dict]:
-    """Per adapter count and server target: requests whose output tokens equal the in-process engine's."""
+    """Per adapter count, requests whose output tokens equal the in-process engine's: each server target against
+    the engine run of its call (else the latest), and each later call's engine run against the first call's (how
+    far the engine agrees with itself from run to run, the yardstick for the servers' figures)."""
     out = []
     for key, entry in sorted(store.data["offline"].items()):
         target, n = key.split("|")
-        engine = store.offline("engine", int(n))
+        engine = store.baseline(entry.get("call"), int(n))
         if target == "engine" or not engine or "digests" not in engine or "digests" not in entry:
             continue
-        pairs = [(a, b) for a, b in zip(engine["digests"], entry["digests"], strict=True) if a and b]
-        same = sum(1 for a, b in pairs if a == b)
-        out.append({"target": target, "adapters": int(n), "compared": len(pairs), "identical": same})
+        out.append({"target": target, "adapters": int(n), "engine_call": engine.get("call"),
+                    **_agreement(engine["digests"], entry["digests"])})
+    runs: dict[int, list[dict]] = {}
+    for run in store.data["engine_runs"].values():
+        if run.get("digests"):
+            runs.setdefault(run["adapters"], []).append(run)
+    for n, group in sorted(runs.items()):
+        first, *later = sorted(group, key=lambda r: r["call"])
+        for run in later:
+            out.append({"target": "engine", "adapters": n, "engine_call": first["call"], "call": run["call"],
+                        **_agreement(first["digests"], run["digests"])})
     return out
+
+
+def _agreement(reference: list[str | None], other: list[str | None]) -> dict:
+    pairs = [(a, b) for a, b in zip(reference, other, strict=True) if a and b]
+    return {"compared": len(pairs), "identical": sum(1 for a, b in pairs if a == b)}
 
 
 def sweeps(store: Store) -> dict[str, dict]:
@@ -367,8 +383,9 @@ def markdown(summary: dict, adapter_counts: list[int]) -> str:
     ]
     lines.append(offline_details(summary["offline_table"]))
     for t in summary["token_identity"]:
-        lines.append(f"- {label(t['target'])}, n={t['adapters']}: {t['identical']}/{t['compared']} requests' output "
-                     f"tokens identical to the in-process engine's")
+        which = f"in-process engine of call {t['call']}" if t["target"] == "engine" else label(t["target"])
+        lines.append(f"- {which}, n={t['adapters']}: {t['identical']}/{t['compared']} requests' output tokens "
+                     f"identical to the in-process engine's of call {t['engine_call']}")
     lines += ["", "## 2. Open-loop sweep (Poisson arrivals; offered = fraction x the target's offline req/s)", "",
               KNEE_DEFINITION + ".", ""]
     for sweep in summary["sweeps"].values():
