@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -154,6 +155,37 @@ def test_a_cancelled_flag_here_stops_the_request_there(engine):
     assert done.wait(2.0), "not cancelled within 2 s"
     assert outputs[-1].error is not None and outputs[-1].error.code is ErrorCode.CANCELLED
     assert sum(len(o.token_ids) for o in outputs) < 2000
+
+
+class _Callable:
+    """A cancellation flag or an emit callback that can be watched with a weak reference (as a Triton response
+    sender behind them must be freed once its request is done: Triton releases the request only then)."""
+
+    def __init__(self, result=None) -> None:
+        self.result = result
+        self.calls = 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.result
+
+
+def test_a_finished_request_leaves_no_reference_to_its_flag_or_callback(engine):
+    flag, emit = _Callable(False), _Callable()
+    engine.submit(GenerationRequest("w", [0, 7], None, SamplingParams(max_tokens=2000, ignore_eos=True), stream=True,
+                                    is_cancelled=flag), emit)
+    deadline = time.monotonic() + 30
+    while not (emit.calls and flag.calls >= 2) and time.monotonic() < deadline:  # streaming, its flag polled
+        time.sleep(0.005)
+    engine.cancel("w")  # it ends between two polls of its flag, as a request mostly does
+    calls = emit.calls
+    while emit.calls == calls and time.monotonic() < deadline:
+        time.sleep(0.005)
+    refs = weakref.ref(flag), weakref.ref(emit)
+    del flag, emit
+    while any(r() is not None for r in refs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(r() is None for r in refs), "a finished request's flag or emit callback is still referenced"
 
 
 def test_a_failed_start_says_why(tmp_path):

@@ -223,29 +223,35 @@ class EngineProcess:
             entry[0](output)
 
     def _poll_cancelled(self) -> None:
-        """Read each live request's cancellation flag. A flag is read under the lock that _deliver takes to retire
-        a request, so never after the request's final output: reading a Triton sender's flag once its final
-        response is sent touches a freed response factory and crashes the whole server (seen with 2.51)."""
+        """Read each live request's cancellation flag, and cancel in the engine those whose client has gone."""
         while not self._stopping.wait(CANCEL_POLL_S):
             with self._live_lock:
                 candidates = [rid for rid, (_, check) in self._live.items()
                               if check is not None and rid not in self._cancelled]
             for request_id in candidates:
-                with self._live_lock:
-                    entry = self._live.get(request_id)
-                    if entry is None:
-                        continue
-                    try:
-                        cancelled = bool(entry[1]())
-                    except Exception:  # noqa: BLE001 - a broken sender counts as gone
-                        cancelled = True
-                    if cancelled:
-                        self._cancelled.add(request_id)
-                if cancelled:
+                if self._is_cancelled(request_id):
                     try:
                         self.cancel(request_id)
                     except RequestError:
                         return
+
+    def _is_cancelled(self, request_id: str) -> bool:
+        """A live request's flag, read under the lock that _deliver takes to retire a request, so never after the
+        request's final output: reading a Triton sender's flag once its final response is sent touches a freed
+        response factory and crashes the whole server (seen with 2.51). A method of its own, so that no reference
+        to the request's sender or emit callback outlives the check: the poller's frame would otherwise hold the
+        last one while it sleeps, and Triton cannot release (nor unload the model of) a request whose sender lives."""
+        with self._live_lock:
+            entry = self._live.get(request_id)
+            if entry is None:
+                return False
+            try:
+                cancelled = bool(entry[1]())
+            except Exception:  # noqa: BLE001 - a broken sender counts as gone
+                cancelled = True
+            if cancelled:
+                self._cancelled.add(request_id)
+            return cancelled
 
     def _exit_code(self) -> int | None:
         self._process.join(1)
