@@ -35,7 +35,7 @@ from perf.capacity.metrics import (
     summarize_offline,
     summarize_sweep_point,
 )
-from perf.capacity.report import Store, merge_stores, offline_rows, offline_table, sweeps, token_identity
+from perf.capacity.report import offline_rows, offline_table, sweeps, token_identity
 from perf.capacity.requests import (
     CapacityRequest,
     RequestSetConfig,
@@ -45,6 +45,7 @@ from perf.capacity.requests import (
 )
 from perf.capacity.runs import Budget
 from perf.capacity.soak import process_label, process_tree, rss_bytes, summarize_memory
+from perf.capacity.store import Store, merge_stores
 
 
 class SeededRng:

@@ -49,17 +49,10 @@ from perf.capacity.clients import ClientConfig, ServerLacksIgnoreEos, saturated
 from perf.capacity.config import SERVER_TARGETS, CapacityConfig, parse_args
 from perf.capacity.metrics import ClientLoad
 from perf.capacity.prepare import CheckpointSpec, PreparedCheckpoint, package_versions, prepare_in_child
-from perf.capacity.report import (
-    Store,
-    build_summary,
-    fingerprint,
-    markdown,
-    merge_stores,
-    plot_sweeps,
-    short_table,
-)
+from perf.capacity.report import build_summary, markdown, plot_sweeps, short_table
 from perf.capacity.requests import CapacityRequest, build_requests
 from perf.capacity.runs import Budget, SweepConfig, log
+from perf.capacity.store import Store, fingerprint, merge_stores
 
 REPO = Path(__file__).resolve().parents[2]
 PACKED = "runs_and_logs.tar.gz"  # runs/ and logs/ of a call whose output folder is $OUT
