@@ -32,6 +32,16 @@ def parse_group_carveouts(spec: str, what: str = "SM carveout") -> tuple[tuple[s
     return tuple(pairs)
 
 
+def parse_token_buckets(spec: str, what: str = "mixed_step_buckets") -> tuple[int, ...]:
+    """``"512,576,640"`` (or ``""``: the default spread): token counts, each > 0. Raises a ValueError naming ``what``
+    and the spec."""
+    parts = [part.strip() for part in spec.split(",") if part.strip()]
+    if not all(part.isdigit() and int(part) > 0 for part in parts):
+        raise ValueError(f"{what} {spec!r}: expected token counts > 0 joined by ',', e.g. 256,512,768, or '' for "
+                         f"the default spread")
+    return tuple(sorted({int(part) for part in parts}))
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs to start; defaults suit the embedded CPU model.
@@ -87,6 +97,10 @@ class EngineConfig:
             sequence past a sliding window run eagerly). Those steps then attend through the paged kernel and
             apply LoRA one program per token (BGMV), whatever prefill_attention says; their launches no longer
             cost host time. Off: such steps run eagerly (prefill_attention and the segmented LoRA kernels).
+        mixed_step_buckets: the token counts the mixed-step graphs are captured for, comma-separated (each step is
+            padded to the smallest that holds it; max_num_batched_tokens is always one); "": every 64 tokens up to
+            512, then eight per doubling (execution/step_graphs.py ``token_buckets``). Fewer buckets start faster
+            and keep fewer graphs; coarser ones pad steps with tokens the GEMMs compute for nothing.
         warmup: compile the kernels for a spread of step sizes at startup (CUDA only).
         allow_runtime_adapters: accept load/unload/replace of adapters while serving; off
             unless the environment sets MANYLORA_ALLOW_RUNTIME_ADAPTERS=1 (as vLLM gates it).
@@ -164,6 +178,7 @@ class EngineConfig:
     decode_gemm_group_carveouts: str = ""
     cuda_graphs: bool = True
     mixed_step_graphs: bool = True
+    mixed_step_buckets: str = ""
     warmup: bool = True
     allow_runtime_adapters: bool = field(default_factory=lambda: _env_flag("MANYLORA_ALLOW_RUNTIME_ADAPTERS"))
     resolvers: str = ""
@@ -197,6 +212,7 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.base_gemm must be one of {BASE_GEMMS}, got {self.base_gemm!r}")
         check_decode_gemm_settings(self.decode_gemm_blas, self.decode_gemm_sm_carveout)
         self._check_group_carveouts()
+        parse_token_buckets(self.mixed_step_buckets, "EngineConfig.mixed_step_buckets")
         if not 0.0 <= self.host_cache_fraction <= 1.0:
             raise ValueError(f"EngineConfig.host_cache_fraction must be in [0, 1], got {self.host_cache_fraction}")
         if not 0.0 <= self.stream_interval_ms <= 10_000:

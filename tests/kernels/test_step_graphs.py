@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from manylora.engine.config import EngineConfig
+from manylora.engine.config import EngineConfig, parse_token_buckets
 from manylora.engine.execution.step_graphs import MixedInputs, MixedStepGraphs, token_buckets
 from manylora.engine.memory.unified_pool import ReservedPage
 from manylora.engine.scheduling.engine import Engine
@@ -23,10 +23,32 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 
 
 def test_token_buckets_end_at_the_step_budget():
-    assert token_buckets(4096) == [64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096]
+    assert token_buckets(4096)[:10] == [64, 128, 192, 256, 320, 384, 448, 512, 576, 640]
+    assert token_buckets(4096)[-4:] == [3328, 3584, 3840, 4096]
     assert token_buckets(100) == [64, 100]
     assert token_buckets(64) == [64]
     assert token_buckets(10) == [10]
+    assert token_buckets(1000) == [64, 128, 192, 256, 320, 384, 448, 512, 576, 640, 704, 768, 832, 896, 960, 1000]
+
+
+@pytest.mark.parametrize("max_tokens", [513, 1000, 4096, 5000, 16384])
+def test_token_buckets_pad_a_large_step_by_less_than_an_eighth(max_tokens):
+    """Above 512 tokens (where a step's GEMMs are bound by compute) no step is padded by 1/8 of its size or more;
+    below, by less than 64 tokens."""
+    buckets = token_buckets(max_tokens)
+    assert buckets == sorted(set(buckets)) and buckets[-1] == max_tokens
+    for tokens in range(1, max_tokens + 1):
+        bucket = next(b for b in buckets if b >= tokens)
+        assert bucket - tokens < (64 if tokens <= 512 else tokens / 8), (tokens, bucket)
+
+
+def test_explicit_token_buckets_replace_the_spread():
+    assert token_buckets(4096, (512, 64, 8192)) == [64, 512, 4096]
+    assert parse_token_buckets(" 768, 256,256 ") == (256, 768)
+    assert parse_token_buckets("") == ()
+    for bad in ("0,64", "64;128", "-64", "x"):
+        with pytest.raises(ValueError, match="mixed_step_buckets"):
+            EngineConfig(model_dir="unused", mixed_step_buckets=bad)
 
 
 def _attach_eager_mixed_graphs(engine: Engine) -> list[int]:

@@ -29,12 +29,23 @@ from manylora.engine.models.llama import LlamaModel
 
 log = logging.getLogger("manylora.step_graphs")
 
-_BUCKETS = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+def token_buckets(max_tokens: int, explicit: tuple[int, ...] = ()) -> list[int]:
+    """Token counts the mixed-step graphs are captured for, ascending, max_tokens always the last.
 
-
-def token_buckets(max_tokens: int) -> list[int]:
-    """Token counts the mixed-step graphs are captured for: a spread up to max_tokens (which is always one)."""
-    return sorted({b for b in _BUCKETS if b < max_tokens} | {max_tokens})
+    By default every 64 tokens up to 512, then eight per doubling (every 64 to 1,024, every 128 to 2,048, every 256
+    to 4,096, ...): a step is padded by less than 1/8 of its size above 512 tokens, where its GEMMs are bound by
+    compute and padding costs time in proportion (with 256 requests running, a typical step is 256 decodes beside
+    one prompt, ~520 tokens). ``explicit``: those counts instead (EngineConfig.mixed_step_buckets).
+    """
+    if explicit:
+        sizes = set(explicit)
+    else:
+        sizes = set(range(64, 513, 64))
+        t = 512
+        while t < max_tokens:
+            t += (1 << (t.bit_length() - 1)) // 8  # eight steps per doubling
+            sizes.add(t)
+    return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
 
 
 @dataclass
@@ -55,11 +66,11 @@ class MixedStepGraphs:
     """Captures and replays mixed steps of up to ``max_tokens`` tokens from up to ``max_seqs`` sequences."""
 
     def __init__(self, model: LlamaModel, kv: PagedKVCache, scratch_page: int, max_tokens: int, max_seqs: int,
-                 max_blocks: int, max_loras: int, max_rank: int) -> None:
+                 max_blocks: int, max_loras: int, max_rank: int, buckets: tuple[int, ...] = ()) -> None:
         self.model, self.kv = model, kv
         dev = model.device
         self.scratch_page = scratch_page
-        self.buckets = token_buckets(max_tokens)
+        self.buckets = token_buckets(max_tokens, buckets)
         self.max_seqs = max_seqs
         n = self.buckets[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)

@@ -20,7 +20,7 @@ import torch
 from manylora.engine.adapters.catalogue import AdapterCatalogue
 from manylora.engine.adapters.host_cache import HostAdapterCache
 from manylora.engine.adapters.process_loader import SHM_DIR, choose_directory
-from manylora.engine.config import EngineConfig, ModelKernelOptions
+from manylora.engine.config import EngineConfig, ModelKernelOptions, parse_token_buckets
 from manylora.engine.devices import default_load_processes
 from manylora.engine.execution.cuda_graphs import DecodeGraphs
 from manylora.engine.execution.step_builder import StepBuilder
@@ -211,7 +211,7 @@ def _capture_graphs(c: EngineConfig, cfg: ModelConfig, device: str, max_len: int
     mixed_graphs: MixedStepGraphs | None = None
     if c.mixed_step_graphs and not cfg.is_moe:
         mixed_graphs = MixedStepGraphs(model, kv, scratch, c.max_num_batched_tokens, c.max_num_seqs, max_blocks,
-                                       c.max_loras, c.max_lora_rank)
+                                       c.max_loras, c.max_lora_rank, parse_token_buckets(c.mixed_step_buckets))
         try:
             mixed_graphs.capture_all()
         except torch.cuda.OutOfMemoryError:  # what the pool's margin left was too little: eager steps then
