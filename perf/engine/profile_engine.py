@@ -163,7 +163,7 @@ class StepProfiler:
         if e.mixed_graphs is not None:
             self._timed(e.mixed_graphs, "run", "forward_s", "forward_cpu_s")
             self._timed(e.steps, "mixed_inputs", "build_s")
-        self._timed(e, "_sample_and_emit", "sample_s")
+        self._timed(e, "_advance", "sample_s")  # sampling (waits for the device), tokens, outputs
         self._timed(e.adapters, "make_resident", "upload_s")
         for attr in ("_prefetch", "_drop_cancelled", "_drain_inbox"):
             self._loop_timed(attr)
@@ -312,6 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode-lora-kernels", choices=list(DECODE_FORMS), default="bgmv")
     p.add_argument("--no-mixed-step-graphs", action="store_false", dest="mixed_step_graphs",
                    help="run prefill and mixed steps eagerly (EngineConfig.mixed_step_graphs=False)")
+    p.add_argument("--mixed-step-buckets", default="", help="EngineConfig.mixed_step_buckets ('': the default)")
     p.add_argument("--adapter-load-processes", type=int, default=None,
                    help="EngineConfig.adapter_load_processes (default: the engine's, by device)")
     p.add_argument("--trace-steps", type=int, default=0,
@@ -345,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
              admit_every_steps=a.admit_every_steps,
             prefill_attention=a.prefill_attention, adapter_load_processes=a.adapter_load_processes,
             decode_lora_kernels=a.decode_lora_kernels, mixed_step_graphs=a.mixed_step_graphs,
-            max_model_len=d["input_range"][1] + d["output_range"][1] + 8))
+            mixed_step_buckets=a.mixed_step_buckets, max_model_len=d["input_range"][1] + d["output_range"][1] + 8))
         errors = engine.catalogue.register_all(catalogue, strict=False, workers=max(4, os.cpu_count() or 4))
         if errors:
             raise RuntimeError(f"{len(errors)} adapters refused, e.g. {next(iter(errors.values()))}")
