@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from manylora.engine.config import EngineConfig, parse_token_buckets
 from manylora.engine.execution.step_graphs import MixedInputs, MixedStepGraphs, token_buckets
@@ -147,5 +148,32 @@ def test_load_pads_the_step_to_its_bucket(tmp_path):
                                logits_rows=[0], token_slots=[-1], adapters=[]))
         assert mixed.seq_lens[:6].tolist() == [9, 1, 1, 1, 1, 1] and mixed.logits_rows.tolist() == [0, 0, 0, 0]
         assert set(mixed.table_rows[1:64].tolist()) == {4}
+    finally:
+        engine.shutdown()
+
+
+def test_a_shared_logits_buffer_holds_what_the_forward_returns(tmp_path):
+    """The mixed-step graphs write their logits into one buffer (``LlamaModel.logits_out``) instead of keeping a
+    tensor each in their pool: the forward must return a view of it with the very values it returns without."""
+    base = make_base(tmp_path / "base", "llama", seed=5)
+    engine = Engine(EngineConfig(model_dir=str(base), device="cpu", dtype="float32", max_num_seqs=4,
+                                 max_num_batched_tokens=64, page_size=8, warmup=False), start=False)
+    try:
+        scratch = engine.pool.pages.allocate(ReservedPage("mixed-step padding"), 1)[0]
+        mixed = MixedStepGraphs(engine.model, engine.kv, scratch, 64, 4, 6, 2, 16)
+        rng = random.Random(11)
+        positions = [0, 1, 2, 3, 9]
+        inputs = MixedInputs(input_ids=[rng.randrange(2, 200) for _ in positions], positions=positions,
+                             kv_slots=[8, 9, 10, 11, 25], table_rows=[0, 0, 0, 0, 1], block_tables=[[1], [2, 3]],
+                             logits_rows=[3, 4], token_slots=[-1] * 5, adapters=[])
+        alone = mixed.run_eager(inputs).clone()
+        mixed.logits.fill_(float("nan"))
+        engine.model.logits_out = mixed.logits
+        try:
+            shared = mixed.run_eager(inputs)
+        finally:
+            engine.model.logits_out = None
+        assert shared.data_ptr() == mixed.logits.data_ptr() and shared.dtype == torch.float32
+        assert torch.equal(shared, alone) and not torch.isnan(alone).any()
     finally:
         engine.shutdown()

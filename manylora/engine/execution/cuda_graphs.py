@@ -66,17 +66,21 @@ class AdapterTables:
 
 
 def capture_forward(model: LlamaModel, kv: PagedKVCache, batch: StepBatch, lora: LoraBatch | None,
-                    pool, gemms: DecodeGemmSettings | None = None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+                    pool, gemms: DecodeGemmSettings | None = None,
+                    logits_out: torch.Tensor | None = None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """Two warm-up forwards of batch on a side stream (they compile kernels and fill launcher caches), then one
     captured into a new graph in memory pool ``pool``; returns the graph and its logits (rewritten by each replay).
     The model knows all three are for a graph (``LlamaModel.graph_forward``): the warm-ups take the kernels the
     capture will (base_gemm "auto"), so that those make their workspaces outside the capture. ``gemms``: the base
-    GEMMs' cuBLAS interface and SM carveout for all three (``decode_gemms.py``; None: torch's)."""
+    GEMMs' cuBLAS interface and SM carveout for all three (``decode_gemms.py``; None: torch's). ``logits_out``: a
+    float32 buffer outside the pool that the graph writes its logits into (``LlamaModel.logits_out``), shared by
+    graphs that are never replayed at once; None: the logits live in the pool, one tensor per graph."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     model.graph_forward = True
     model.lora_gemm_first = gemms is not None and gemms.gemm_first
     model.lora_group_carveouts = dict(gemms.group_carveouts) if gemms is not None else None
+    model.logits_out = logits_out
     try:
         with applied(gemms, model.device):
             with torch.cuda.stream(stream):
@@ -90,6 +94,7 @@ def capture_forward(model: LlamaModel, kv: PagedKVCache, batch: StepBatch, lora:
         model.graph_forward = False
         model.lora_gemm_first = False
         model.lora_group_carveouts = None
+        model.logits_out = None
     return graph, logits
 
 

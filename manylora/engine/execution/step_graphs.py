@@ -83,6 +83,9 @@ class MixedStepGraphs:
         # one row per sequence, then the padding tokens' row: the scratch page only
         self.block_tables = torch.full((max_seqs + 1, max_blocks), scratch_page, dtype=torch.int32, device=dev)
         self.logits_rows = torch.zeros(max_seqs, dtype=torch.int64, device=dev)
+        # every graph's logits, outside the graphs' pool: one [max_seqs, vocab] float32 buffer, not one per graph
+        # (131 MB each for a 128k vocabulary at 256 sequences)
+        self.logits = torch.empty((max_seqs, model.lm_head.shape[0]), dtype=torch.float32, device=dev)
         self.tables = AdapterTables(model.cfg, max_loras, max_rank, dev)
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (graph, logits)
         self._pool = torch.cuda.graph_pool_handle() if dev.startswith("cuda") else None
@@ -106,7 +109,8 @@ class MixedStepGraphs:
         for size in reversed(self.buckets):
             for with_lora in (True, False):
                 self._graphs[(size, with_lora)] = capture_forward(
-                    self.model, self.kv, self._batch(size), self._lora(size) if with_lora else None, self._pool)
+                    self.model, self.kv, self._batch(size), self._lora(size) if with_lora else None, self._pool,
+                    logits_out=self.logits)
         log.info("captured mixed-step graphs for %s tokens", self.buckets)
 
     def _reset_padding(self, size: int) -> None:

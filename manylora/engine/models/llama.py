@@ -107,6 +107,9 @@ class LlamaModel:
     # in such a capture, the SMs a projection group's GEMM leaves in place of the capture's carveout (group name ->
     # SMs; manylora/engine/layers/decode_gemms.py PROJECTION_GROUPS)
     lora_group_carveouts: dict[str, int] | None = None
+    # float32 [rows, vocab] the logits are written into (rows >= len(logits_rows)); None: a new tensor each forward.
+    # Graphs that share one (the mixed-step graphs) keep no logits of their own in their memory pool.
+    logits_out: torch.Tensor | None = None
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], max_len: int, device: str,
                  dtype: torch.dtype) -> None:
@@ -189,7 +192,12 @@ class LlamaModel:
             else:
                 h = h + (delta_lora.add_into(delta) if delta_lora is not None else delta)
         h = rms_norm(h.index_select(0, batch.logits_rows), self.final_norm, self.cfg.rms_norm_eps)
-        return self._linear(h, self.lm_head, None).float()
+        logits = self._linear(h, self.lm_head, None)
+        if self.logits_out is None:
+            return logits.float()
+        out = self.logits_out[: logits.shape[0]]
+        out.copy_(logits)  # the cast to float32, into the shared buffer
+        return out
 
     def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, delta_lora: LoraDelta | None,
                   weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
