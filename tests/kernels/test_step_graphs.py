@@ -152,12 +152,13 @@ def test_load_pads_the_step_to_its_bucket(tmp_path):
         engine.shutdown()
 
 
-def test_a_shared_logits_buffer_holds_what_the_forward_returns(tmp_path):
+def test_a_shared_logits_buffer_holds_what_the_forward_returns(tmp_path, device):
     """The mixed-step graphs write their logits into one buffer (``LlamaModel.logits_out``) instead of keeping a
     tensor each in their pool: the forward must return a view of it with the very values it returns without."""
     base = make_base(tmp_path / "base", "llama", seed=5)
-    engine = Engine(EngineConfig(model_dir=str(base), device="cpu", dtype="float32", max_num_seqs=4,
-                                 max_num_batched_tokens=64, page_size=8, warmup=False), start=False)
+    engine = Engine(EngineConfig(model_dir=str(base), device=device, dtype="float32", max_num_seqs=4,
+                                 max_num_batched_tokens=64, page_size=8, warmup=False, cuda_graphs=False),
+                    start=False)
     try:
         scratch = engine.pool.pages.allocate(ReservedPage("mixed-step padding"), 1)[0]
         mixed = MixedStepGraphs(engine.model, engine.kv, scratch, 64, 4, 6, 2, 16)
