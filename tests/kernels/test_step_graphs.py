@@ -178,3 +178,44 @@ def test_a_shared_logits_buffer_holds_what_the_forward_returns(tmp_path, device)
         assert torch.equal(shared, alone) and not torch.isnan(alone).any()
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("fail_at", [0, 3, None])
+def test_out_of_memory_capturing_the_finer_buckets_keeps_the_coarse_ones(tmp_path, monkeypatch, caplog, fail_at):
+    """The coarse buckets are captured first; running out of memory among the finer ones keeps every bucket captured
+    whole (with and without LoRA) and says so; among the coarse ones it raises (the engine then runs eagerly)."""
+    base = make_base(tmp_path / "base", "llama", seed=2)
+    engine = Engine(EngineConfig(model_dir=str(base), device="cpu", dtype="float32", max_num_seqs=4,
+                                 max_num_batched_tokens=1100, page_size=8, warmup=False), start=False)
+    try:
+        scratch = engine.pool.pages.allocate(ReservedPage("mixed-step padding"), 1)[0]
+        mixed = MixedStepGraphs(engine.model, engine.kv, scratch, 1100, 4, 6, 2, 16)
+        every = list(mixed.buckets)
+        core = [64, 128, 192, 256, 384, 512, 768, 1024, 1100]
+        finer = sorted(set(every) - set(core), reverse=True)
+        captured: list[tuple[int, bool]] = []
+
+        def fake_capture(model, kv, batch, lora, pool, gemms=None, logits_out=None):
+            size, with_lora = batch.input_ids.shape[0], lora is not None
+            if fail_at is not None and size == finer[fail_at] and not with_lora:  # after its LoRA graph
+                raise torch.cuda.OutOfMemoryError("test: out of memory")
+            captured.append((size, with_lora))
+            return f"graph {size} {with_lora}", logits_out
+
+        monkeypatch.setattr("manylora.engine.execution.step_graphs.capture_forward", fake_capture)
+        with caplog.at_level("WARNING", logger="manylora.step_graphs"):
+            mixed.capture_all()
+        assert [size for size, lora in captured if lora][: len(core)] == core[::-1]  # coarse first, biggest first
+        if fail_at is None:
+            assert mixed.buckets == every and not caplog.records
+        else:
+            kept = sorted(core + finer[:fail_at])
+            assert mixed.buckets == kept and mixed.buckets[-1] == 1100
+            assert sorted({size for size, _ in mixed._graphs}) == kept and len(mixed._graphs) == 2 * len(kept)
+            assert f"{len(every)} token buckets; {len(kept)} captured" in caplog.text
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            monkeypatch.setattr("manylora.engine.execution.step_graphs.capture_forward",
+                                lambda *a, **k: (_ for _ in ()).throw(torch.cuda.OutOfMemoryError("coarse")))
+            MixedStepGraphs(engine.model, engine.kv, scratch, 1100, 4, 6, 2, 16).capture_all()
+    finally:
+        engine.shutdown()

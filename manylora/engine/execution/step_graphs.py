@@ -29,6 +29,10 @@ from manylora.engine.models.llama import LlamaModel
 
 log = logging.getLogger("manylora.step_graphs")
 
+# the buckets captured first, whatever else memory allows (MixedStepGraphs.capture_all)
+CORE_BUCKETS = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+
+
 def token_buckets(max_tokens: int, explicit: tuple[int, ...] = ()) -> list[int]:
     """Token counts the mixed-step graphs are captured for, ascending, max_tokens always the last.
 
@@ -104,14 +108,35 @@ class MixedStepGraphs:
                                      self.kv.pool.storage, decode_form="bgmv")
 
     def capture_all(self) -> None:
-        """Capture every bucket, with and without LoRA (biggest first, sharing one memory pool)."""
+        """Capture every bucket, with and without LoRA, sharing one memory pool: first the coarse buckets
+        (``CORE_BUCKETS`` and the largest), biggest first, then the others, biggest first. Out of memory among the
+        others, the buckets captured so far are kept (steps pad to the next of those) and a warning says how many;
+        out of memory among the coarse ones raises (the engine then runs mixed steps eagerly)."""
         self._reset_padding(self.buckets[-1])
-        for size in reversed(self.buckets):
-            for with_lora in (True, False):
-                self._graphs[(size, with_lora)] = capture_forward(
-                    self.model, self.kv, self._batch(size), self._lora(size) if with_lora else None, self._pool,
-                    logits_out=self.logits)
+        core = [b for b in self.buckets if b in CORE_BUCKETS or b == self.buckets[-1]]
+        for size in reversed(core):
+            self._capture(size)
+        try:
+            for size in reversed([b for b in self.buckets if b not in core]):
+                self._capture(size)
+        except torch.cuda.OutOfMemoryError:
+            captured = sorted({size for size, _ in self._graphs if (size, True) in self._graphs
+                               and (size, False) in self._graphs})
+            log.warning("mixed steps: out of memory capturing CUDA graphs for %d token buckets; %d captured (%s), "
+                        "steps pad to the next of those. Fewer KV pages (num_kv_pages, gpu_memory_fraction) or fewer "
+                        "buckets (mixed_step_buckets) leave room for all", len(self.buckets), len(captured),
+                        captured)
+            self._graphs = {key: graph for key, graph in self._graphs.items() if key[0] in captured}
+            self.buckets = captured
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         log.info("captured mixed-step graphs for %s tokens", self.buckets)
+
+    def _capture(self, size: int) -> None:
+        for with_lora in (True, False):
+            self._graphs[(size, with_lora)] = capture_forward(
+                self.model, self.kv, self._batch(size), self._lora(size) if with_lora else None, self._pool,
+                logits_out=self.logits)
 
     def _reset_padding(self, size: int) -> None:
         self.input_ids[:size] = 0
