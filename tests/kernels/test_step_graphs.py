@@ -9,6 +9,7 @@ must be PEFT's.
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -109,17 +110,27 @@ def test_mixed_steps_match_peft(tmp_path, device, family):
         engine.shutdown()
 
 
+@contextlib.contextmanager
+def _standalone_graphs(tmp_path, max_tokens: int, seed: int, device: str = "cpu"):
+    """A float32 engine of 4 sequences (8-token pages, no CUDA graphs of its own) and mixed-step graphs of up to
+    ``max_tokens`` tokens over its pool, built but not captured: (engine, scratch page, graphs)."""
+    base = make_base(tmp_path / "base", "llama", seed=seed)
+    engine = Engine(EngineConfig(model_dir=str(base), device=device, dtype="float32", max_num_seqs=4,
+                                 max_num_batched_tokens=max_tokens, page_size=8, warmup=False, cuda_graphs=False),
+                    start=False)
+    try:
+        scratch = engine.pool.pages.allocate(ReservedPage("mixed-step padding"), 1)[0]
+        yield engine, scratch, MixedStepGraphs(engine.model, engine.kv, scratch, max_tokens, 4, 6, 2, 16)
+    finally:
+        engine.shutdown()
+
+
 def test_load_pads_the_step_to_its_bucket(tmp_path):
     """What a replay reads after ``load``: the real tokens' ids, positions, KV slots, sequence rows (context = own
     position + 1) and adapter slots, then padding up to the bucket that writes and reads only the scratch page and
     has no adapter; each sequence's block table (short ones padded with the scratch page) beside the padding row;
     the sampled rows, then row 0."""
-    base = make_base(tmp_path / "base", "llama", seed=3)
-    engine = Engine(EngineConfig(model_dir=str(base), device="cpu", dtype="float32", max_num_seqs=4,
-                                 max_num_batched_tokens=100, page_size=8, warmup=False), start=False)
-    try:
-        scratch = engine.pool.pages.allocate(ReservedPage("mixed-step padding"), 1)[0]
-        mixed = MixedStepGraphs(engine.model, engine.kv, scratch, 100, 4, 6, 2, 16)
+    with _standalone_graphs(tmp_path, 100, seed=3) as (engine, scratch, mixed):
         rng = random.Random(9)
         # a 5-token prefill chunk of sequence 0 (positions 3..7) and a decode of sequence 1 (position 20)
         positions = [3, 4, 5, 6, 7, 20]
@@ -148,20 +159,12 @@ def test_load_pads_the_step_to_its_bucket(tmp_path):
                                logits_rows=[0], token_slots=[-1], adapters=[]))
         assert mixed.seq_lens[:6].tolist() == [9, 1, 1, 1, 1, 1] and mixed.logits_rows.tolist() == [0, 0, 0, 0]
         assert set(mixed.table_rows[1:64].tolist()) == {4}
-    finally:
-        engine.shutdown()
 
 
 def test_a_shared_logits_buffer_holds_what_the_forward_returns(tmp_path, device):
     """The mixed-step graphs write their logits into one buffer (``LlamaModel.logits_out``) instead of keeping a
     tensor each in their pool: the forward must return a view of it with the very values it returns without."""
-    base = make_base(tmp_path / "base", "llama", seed=5)
-    engine = Engine(EngineConfig(model_dir=str(base), device=device, dtype="float32", max_num_seqs=4,
-                                 max_num_batched_tokens=64, page_size=8, warmup=False, cuda_graphs=False),
-                    start=False)
-    try:
-        scratch = engine.pool.pages.allocate(ReservedPage("mixed-step padding"), 1)[0]
-        mixed = MixedStepGraphs(engine.model, engine.kv, scratch, 64, 4, 6, 2, 16)
+    with _standalone_graphs(tmp_path, 64, seed=5, device=device) as (engine, _, mixed):
         rng = random.Random(11)
         positions = [0, 1, 2, 3, 9]
         inputs = MixedInputs(input_ids=[rng.randrange(2, 200) for _ in positions], positions=positions,
@@ -176,20 +179,13 @@ def test_a_shared_logits_buffer_holds_what_the_forward_returns(tmp_path, device)
             engine.model.logits_out = None
         assert shared.data_ptr() == mixed.logits.data_ptr() and shared.dtype == torch.float32
         assert torch.equal(shared, alone) and not torch.isnan(alone).any()
-    finally:
-        engine.shutdown()
 
 
 @pytest.mark.parametrize("fail_at", [0, 3, None])
 def test_out_of_memory_capturing_the_finer_buckets_keeps_the_coarse_ones(tmp_path, monkeypatch, caplog, fail_at):
     """The coarse buckets are captured first; running out of memory among the finer ones keeps every bucket captured
     whole (with and without LoRA) and says so; among the coarse ones it raises (the engine then runs eagerly)."""
-    base = make_base(tmp_path / "base", "llama", seed=2)
-    engine = Engine(EngineConfig(model_dir=str(base), device="cpu", dtype="float32", max_num_seqs=4,
-                                 max_num_batched_tokens=1100, page_size=8, warmup=False), start=False)
-    try:
-        scratch = engine.pool.pages.allocate(ReservedPage("mixed-step padding"), 1)[0]
-        mixed = MixedStepGraphs(engine.model, engine.kv, scratch, 1100, 4, 6, 2, 16)
+    with _standalone_graphs(tmp_path, 1100, seed=2) as (engine, scratch, mixed):
         every = list(mixed.buckets)
         core = [64, 128, 192, 256, 384, 512, 768, 1024, 1100]
         finer = sorted(set(every) - set(core), reverse=True)
@@ -217,5 +213,3 @@ def test_out_of_memory_capturing_the_finer_buckets_keeps_the_coarse_ones(tmp_pat
             monkeypatch.setattr("manylora.engine.execution.step_graphs.capture_forward",
                                 lambda *a, **k: (_ for _ in ()).throw(torch.cuda.OutOfMemoryError("coarse")))
             MixedStepGraphs(engine.model, engine.kv, scratch, 1100, 4, 6, 2, 16).capture_all()
-    finally:
-        engine.shutdown()
