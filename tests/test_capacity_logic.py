@@ -439,3 +439,31 @@ def test_capacity_request_is_hashable_and_frozen():
     r = CapacityRequest(0, (1, 2), 3, None)
     with pytest.raises(AttributeError):
         r.output_len = 4  # type: ignore[misc]
+
+
+def test_the_engine_run_warns_when_its_mixed_steps_were_not_captured():
+    """A capacity run of an engine whose mixed-step graphs ran out of memory measures a slower engine than the one
+    configured: the results say so (all of them eager, or only some buckets captured); where the configuration has
+    no mixed-step graphs, nothing is said."""
+    from types import SimpleNamespace
+
+    from manylora.engine.config import EngineConfig
+    from manylora.engine.execution.step_graphs import token_buckets
+    from perf.capacity.engine import graph_warnings
+
+    def engine(device="cuda", captured=None, moe=False, **knobs):
+        config = EngineConfig(model_dir="unused", max_num_batched_tokens=1024, **knobs)
+        every = token_buckets(1024)
+        buckets = every if captured is None else captured
+        stats = {"mixed_step_buckets": buckets}
+        return SimpleNamespace(device=device, config=config, model=SimpleNamespace(cfg=SimpleNamespace(is_moe=moe)),
+                               stats=lambda: stats)
+
+    assert graph_warnings(engine()) == []
+    assert "run eagerly" in graph_warnings(engine(captured=[]))[0]
+    assert "for 9 of 16 token buckets" in graph_warnings(engine(captured=[64, 128, 192, 256, 384, 512, 768, 960,
+                                                                         1024]))[0]
+    assert graph_warnings(engine(captured=[64, 1024], mixed_step_buckets="64,1024")) == []
+    for quiet in (engine(device="cpu", captured=[]), engine(captured=[], mixed_step_graphs=False),
+                  engine(captured=[], cuda_graphs=False), engine(captured=[], moe=True)):
+        assert graph_warnings(quiet) == []

@@ -226,6 +226,8 @@ class Call:
             self.store.put_sweep(point, self.index)
         for message in results.get("skipped", []):
             self.skip(message)
+        for message in results.get("warnings", []):
+            self.warn(message)
         for message in results.get("notes", []):
             self.store.add("notes", message)
         self.write()

@@ -65,6 +65,7 @@ def _attach_eager_mixed_graphs(engine: Engine) -> list[int]:
 
     def run(inputs):
         buckets.append(next(b for b in mixed.buckets if b >= len(inputs.input_ids)))
+        mixed.replays[bool(inputs.adapters)] += 1  # what a replay counts
         return run_eager(inputs)
 
     mixed.run = run
@@ -105,6 +106,11 @@ def test_mixed_steps_match_peft(tmp_path, device, family):
             assert set(buckets) == {64, 96}, buckets
         else:
             assert engine.mixed_graphs.replays[True] >= 2, engine.mixed_graphs.replays
+        stats = engine.stats()  # the step kinds an operator (and the capacity benchmark) reads
+        assert stats["mixed_step_buckets"] == [64, 96]
+        assert stats["steps_mixed_graph"] == sum(engine.mixed_graphs.replays.values()) >= 2
+        assert stats["steps_decode_graph"] + stats["steps_mixed_graph"] + stats["steps_eager"] == stats["steps"]
+        assert (stats["steps_decode_graph"] > 0) == (device != "cpu")  # no decode graphs on the CPU
         assert_pool_drained(engine)
     finally:
         engine.shutdown()

@@ -223,7 +223,17 @@ class Engine:
             "max_model_len": self.max_len,
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "adapter_load_processes": self.load_processes,
+            **self._graph_stats(),
         }
+
+    def _graph_stats(self) -> dict:
+        """Steps replayed from CUDA graphs (decode, mixed) and run eagerly, and the mixed-step buckets captured
+        (empty where mixed steps run eagerly: no graphs on this device, or their capture ran out of memory)."""
+        decode = sum(self.graphs.replays.values()) if self.graphs is not None else 0
+        mixed = sum(self.mixed_graphs.replays.values()) if self.mixed_graphs is not None else 0
+        return {"steps_decode_graph": decode, "steps_mixed_graph": mixed,
+                "steps_eager": self._counters["steps"] - decode - mixed,
+                "mixed_step_buckets": list(self.mixed_graphs.buckets) if self.mixed_graphs is not None else []}
 
     def start(self) -> None:
         """Start the step loop (an engine made with start=False; a no-op once running)."""
