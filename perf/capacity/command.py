@@ -47,9 +47,10 @@ from pathlib import Path
 
 from perf.capacity.clients import ClientConfig, ServerLacksIgnoreEos, saturated
 from perf.capacity.config import SERVER_TARGETS, CapacityConfig, parse_args
+from perf.capacity.gpu_clock import GpuSampler
 from perf.capacity.metrics import ClientLoad
 from perf.capacity.prepare import CheckpointSpec, PreparedCheckpoint, package_versions, prepare_in_child
-from perf.capacity.report import build_summary, markdown, plot_sweeps, short_table
+from perf.capacity.report import build_summary, label, markdown, plot_sweeps, short_table
 from perf.capacity.requests import CapacityRequest, build_requests
 from perf.capacity.runs import Budget, SweepConfig, log
 from perf.capacity.store import Store, fingerprint, merge_stores
@@ -75,6 +76,7 @@ class Call:
         self.workdir = Path(cfg.workdir or Path(tempfile.gettempdir()) / "manylora-capacity")
         self.requested_out = out
         self.ckpt: PreparedCheckpoint | None = None
+        self.gpu: GpuSampler | None = None  # the GPU's clocks through the call (setup starts it on a GPU)
         self.versions = package_versions()
         self.versions.setdefault("tritonserver", self._pytriton_version())
 
@@ -109,7 +111,26 @@ class Call:
                                          "targets": cfg.targets, "parts": cfg.parts})
         if self.ckpt.write_s:
             self.store.add("notes", f"checkpoint written in {self.ckpt.write_s} s")
+        self.gpu = GpuSampler(self.logs / "gpu.csv") if self.ckpt.device.startswith("cuda") else None
+        why = self.gpu.start() if self.gpu is not None else None
+        if why:
+            self.store.add("notes", f"call {self.index}: the GPU's clocks were not sampled ({why})")
+            self.gpu = None
         self.write()
+
+    def put_offline(self, result: dict, digests: list[str | None] | None = None) -> None:
+        """Store an offline result of this call, with what the GPU did during its run (``meta["gpu"]``, a note)."""
+        window = result.get("meta", {}).get("window")
+        gpu = self.gpu.window(*window) if self.gpu is not None and window else None
+        if gpu is not None:
+            result["meta"]["gpu"] = asdict(gpu)
+            self.store.add("notes", f"GPU during {label(result['target'])} n={result['adapters']} (call "
+                                    f"{self.index}): {gpu.note()}")
+        self.store.put_offline(result, self.index, digests)
+
+    def stop_sampling(self) -> None:
+        if self.gpu is not None:
+            self.gpu.stop()
 
     # -- output -----------------------------------------------------------------------------------------------------
 
@@ -221,7 +242,7 @@ class Call:
             self.warn(f"engine child: {error}")
         for result in results.get("offline", []):
             digests = _digests(self.runs / f"engine_n{result['adapters']}_offline.jsonl")
-            self.store.put_offline(result, self.index, digests)
+            self.put_offline(result, digests)
         for point in results.get("sweep", []):
             self.store.put_sweep(point, self.index)
         for message in results.get("skipped", []):
@@ -269,7 +290,7 @@ class Call:
             log(f"vLLM {why} max_loras={k} ({python})")
             results = run_child(python, plan, self.logs / f"{target_name(k)}.log", self.budget.remaining() + 240)
             for result in results.get("offline", []):
-                self.store.put_offline(result, self.index)
+                self.put_offline(result)
             self.store.data["vllm"][str(k)] = {"version": results.get("vllm"), "start_s": results.get("start_s"),
                                                "error": results.get("error"), "call": self.index}
             if results.get("error"):
@@ -373,6 +394,7 @@ def run(cfg: CapacityConfig, out: Path | None, command: str) -> dict:
         if summary["sweeps"] and not plot_sweeps(summary, call.out):
             call.store.add("notes", "no plots: matplotlib is not importable here")
     finally:
+        call.stop_sampling()
         call.pack_files()
     summary = call.write()
     summary["out"] = str(call.out)

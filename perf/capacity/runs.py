@@ -142,9 +142,11 @@ def measure_offline(
     runs_dir: Path,
 ) -> tuple[OfflineResult, list[CapacityRecord]]:
     """Every request at once; the throughput of the whole run."""
+    started = time.time()
     outcome = driver.run(offline_schedule(requests), cap_s=cap_s, keep_ids=keep_ids)
     result = summarize_offline(target, adapters, outcome.records, outcome.end_s, outcome.capped, outcome.clients)
     result.meta["clients"] = [asdict(c) for c in outcome.clients]
+    result.meta["window"] = [started, time.time()]  # epoch seconds, for what the GPU did meanwhile (gpu_clock.py)
     if outcome.capped:
         result.notes.append(f"capped at {cap_s:g} s: throughput counts what completed by then")
     write_records(runs_dir / f"{run_name(target, adapters)}.jsonl", outcome.records)

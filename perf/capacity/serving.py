@@ -120,7 +120,7 @@ class ServerPart:
             digests = [None] * len(records)
             for r in records:
                 digests[r.request] = r.output_digest
-        call.store.put_offline(asdict(result), call.index, digests)
+        call.put_offline(asdict(result), digests)
         call.write()
         log(f"{target} offline n={n}: {result.completed}/{result.requests} in {result.wall_s:.1f} s, "
             f"{result.req_per_s:.2f} req/s, {result.output_tok_per_s:,.0f} tok/s, busiest client "

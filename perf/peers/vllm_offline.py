@@ -112,7 +112,9 @@ def execute(plan: VllmPlan) -> dict:
                                       f"(about {guess:.0f} s needed)")
             save()
             continue
+        started = time.time()
         outputs, wall = generate(requests)
+        window = [started, time.time()]  # epoch seconds (perf/capacity/gpu_clock.py)
         rows, tokens, exact = [], 0, 0
         for r, o in zip(requests, outputs, strict=True):
             ids = list(o.outputs[0].token_ids) if o.outputs else []
@@ -124,7 +126,7 @@ def execute(plan: VllmPlan) -> dict:
         result = OfflineResult(target=name, adapters=n, requests=len(requests), completed=len(rows),
                                exact_length=exact, failed=0, wall_s=wall, req_per_s=len(rows) / wall,
                                output_tok_per_s=tokens / wall, output_tokens=tokens, capped=False,
-                               meta={"vllm": vllm.__version__, "max_loras": plan.max_loras})
+                               meta={"vllm": vllm.__version__, "max_loras": plan.max_loras, "window": window})
         runs = Path(plan.runs_dir)
         runs.mkdir(parents=True, exist_ok=True)
         with open(runs / f"{name}_n{n}_offline.jsonl", "w") as f:
