@@ -15,6 +15,7 @@ import torch
 
 from manylora.engine.adapters.packing import num_module_slots
 from manylora.engine.config import check_decode_gemm_settings
+from manylora.engine.execution.block_tables import padded_block_tables
 from manylora.engine.layers.decode_gemms import DecodeGemmSettings, applied
 from manylora.engine.layers.lora_batch import LoraBatch, moe_lora_expressible
 from manylora.engine.layers.step_batch import DecodeRows, StepBatch
@@ -196,10 +197,8 @@ class DecodeGraphs:
         self.input_ids[:n] = inputs.input_ids
         self.positions[:n] = inputs.positions
         self.kv_slots[:n] = inputs.kv_slots
-        width = max(len(t) for t in inputs.block_tables)
-        tables = torch.tensor([t + [self.scratch_page] * (width - len(t)) for t in inputs.block_tables],
-                              dtype=torch.int32)
-        self.block_tables[:n, :width].copy_(tables, non_blocking=True)
+        tables = padded_block_tables(inputs.block_tables, self.scratch_page)
+        self.block_tables[:n, : tables.shape[1]].copy_(tables, non_blocking=True)
         self.seq_lens[:n].copy_(torch.tensor(inputs.seq_lens, dtype=torch.int32), non_blocking=True)
         if inputs.adapters:
             self.token_slots[:n].copy_(torch.tensor(inputs.token_slots, dtype=torch.int32), non_blocking=True)

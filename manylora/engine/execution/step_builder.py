@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from manylora.engine.adapters.spec import AdapterSpec
+from manylora.engine.execution.block_tables import padded_block_tables
 from manylora.engine.execution.cuda_graphs import DecodeInputs
 from manylora.engine.execution.step_graphs import MixedInputs
 from manylora.engine.layers.lora_batch import LoraBatch
@@ -127,12 +128,10 @@ class StepBuilder:
                 slices.append(SequenceSlice(row0, c.num_tokens, end, table))
         decode = None
         if rows:
-            width = max(len(t) for t in tables)
-            padded = [t + [0] * (width - len(t)) for t in tables]
             per_sequence = len(tables) != len(rows)
             decode = DecodeRows(
                 rows=torch.tensor(rows, dtype=torch.int64, device=dev),
-                block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+                block_tables=padded_block_tables(tables, 0).to(dev),
                 seq_lens=torch.tensor(row_lens, dtype=torch.int32, device=dev),
                 table_rows=torch.tensor(row_tables, dtype=torch.int32, device=dev) if per_sequence else None,
                 all_rows=not slices,  # every chunk went to the kernel: its rows are 0..T-1 in order

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from manylora.engine.execution.block_tables import padded_block_tables
 from manylora.engine.execution.cuda_graphs import AdapterTables, capture_forward
 from manylora.engine.layers.lora_batch import LoraBatch
 from manylora.engine.layers.step_batch import DecodeRows, StepBatch
@@ -164,10 +165,8 @@ class MixedStepGraphs:
         self.seq_lens[:n] = cols[1] + 1  # each token attends up to its own position
         self.table_rows[:n] = cols[3]
         self.token_slots[:n] = cols[4]
-        width = max(len(t) for t in inputs.block_tables)
-        tables = torch.tensor([t + [self.scratch_page] * (width - len(t)) for t in inputs.block_tables],
-                              dtype=torch.int32)
-        self.block_tables[: len(inputs.block_tables), :width].copy_(tables, non_blocking=True)
+        tables = padded_block_tables(inputs.block_tables, self.scratch_page)
+        self.block_tables[: tables.shape[0], : tables.shape[1]].copy_(tables, non_blocking=True)
         k = len(inputs.logits_rows)
         self.logits_rows[:k].copy_(torch.tensor(inputs.logits_rows, dtype=torch.int64), non_blocking=True)
         if inputs.adapters:
