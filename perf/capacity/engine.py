@@ -20,6 +20,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from perf.capacity.graph_check import graph_warnings
 from perf.capacity.metrics import UNFINISHED, digest
 from perf.capacity.requests import RequestSetConfig, ScheduledRequest, build_requests
 from perf.capacity.runs import Budget, RunOutcome, SweepConfig, measure_offline, measure_sweep_point, new_record
@@ -201,7 +202,8 @@ def execute(plan: EnginePlan) -> dict:
         raise RuntimeError(f"{len(errors)} adapters refused, e.g. {next(iter(errors.values()))}")
     results["timings"]["engine_load_s"] = round(time.monotonic() - t, 2)
     _log(f"engine on {device} with {len(catalogue)} adapters in {results['timings']['engine_load_s']} s")
-    results["warnings"] = graph_warnings(engine)
+    results["warnings"] = graph_warnings(engine.config, engine.device, engine.model.cfg.is_moe,
+                                         engine.stats()["mixed_step_buckets"])
     for message in results["warnings"]:
         _log(f"warning: {message}")
     try:
@@ -252,26 +254,6 @@ def execute(plan: EnginePlan) -> dict:
     finally:
         engine.shutdown()
     return results
-
-
-def graph_warnings(engine) -> list[str]:
-    """What the engine runs eagerly that its configuration asked to replay from CUDA graphs: a measurement of it
-    is not one of the configured engine (the engine log says why)."""
-    from manylora.engine.config import parse_token_buckets
-    from manylora.engine.execution.step_graphs import token_buckets
-
-    c = engine.config
-    graphed = engine.device.startswith("cuda") and c.cuda_graphs and c.mixed_step_graphs
-    if not graphed or engine.model.cfg.is_moe or c.tensor_parallel_size > 1:  # no mixed-step graphs there
-        return []
-    captured = engine.stats()["mixed_step_buckets"]
-    wanted = token_buckets(c.max_num_batched_tokens, parse_token_buckets(c.mixed_step_buckets))
-    if not captured:
-        return ["engine: mixed steps run eagerly, their CUDA graphs were not captured (see the engine log)"]
-    if len(captured) < len(wanted):
-        return [f"engine: mixed-step CUDA graphs for {len(captured)} of {len(wanted)} token buckets (out of memory "
-                f"for the others); steps pad to those captured"]
-    return []
 
 
 def _stats(engine) -> dict:

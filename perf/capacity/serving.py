@@ -12,8 +12,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from manylora.client.api import ManyLoraClient
 from perf.capacity.clients import ClientPool, ServerDriver, ServerLacksIgnoreEos
 from perf.capacity.config import SERVER_TARGETS, SWEEP_TARGETS
+from perf.capacity.graph_check import graph_warnings
 from perf.capacity.metrics import ClientLoad, OfflineResult
 from perf.capacity.requests import CapacityRequest, ScheduledRequest
 from perf.capacity.runs import log, measure_offline, measure_sweep_point
@@ -56,6 +58,9 @@ class ServerPart:
         call.store.data["servers"].append({"call": call.index, "ready_s": round(server.ready_s, 1),
                                            "version": info.get("version"), "params": params})
         log(f"tritonserver {info.get('version')} ready in {server.ready_s:.1f} s on {server.grpc_url}")
+        for message in self._graph_warnings(server, params):
+            log(f"warning: {message}")
+            call.warn(f"server {message}")
         pool = None
         try:
             pool = ClientPool(server.grpc_url, call.client_config)
@@ -102,6 +107,23 @@ class ServerPart:
                            "targets'; not measured")
             return None
         return driver
+
+    def _graph_warnings(self, server: TritonServer, params: dict[str, str]) -> list[str]:
+        """graph_check's warnings for the server's engine, from its ``stats`` (the generator's control input)."""
+        from manylora.engine.config import EngineConfig
+        from manylora.engine.model_config import ModelConfig
+
+        if not params.get("device", "").startswith("cuda"):
+            return []  # no CUDA graphs
+        base = Path(self.call.ckpt.base_dir)
+        try:
+            stats = ManyLoraClient(server.grpc_url, server.http_url, timeout=30).stats()
+        except Exception as e:  # noqa: BLE001 - the check must not stop the measurement
+            return [f"its stats could not be read ({e}), so whether its CUDA graphs were captured is not known"]
+        config = EngineConfig.from_strings({k: v for k, v in params.items() if k != "device"}, model_dir=str(base),
+                                           device=params.get("device", "cpu"))
+        is_moe = ModelConfig.from_dict(json.loads((base / "config.json").read_text())).is_moe
+        return graph_warnings(config, config.device, is_moe, stats.get("mixed_step_buckets", []))
 
     def _measure_offline(self, driver: ServerDriver, target: str, n: int) -> OfflineResult | None:
         call = self.call
