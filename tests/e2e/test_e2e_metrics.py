@@ -144,6 +144,22 @@ def test_observer_stats_gauges_and_counter_deltas():
     assert _value(obs, "manylora_adapter_evictions_total") == 1
 
 
+def test_observer_counts_steps_by_kind_and_the_captured_buckets():
+    """The engine's step kinds become manylora_steps_total{kind} (advanced by what changed between polls) and the
+    captured mixed-step buckets a gauge whose 0 on a GPU says those steps run eagerly."""
+    obs = gm.MetricsObserver(_FakePb)
+    assert {_value(obs, "manylora_steps_total", kind=k) for k in ("decode_graph", "mixed_graph", "eager")} == {0}
+    poller = gm.StatsPoller(lambda: stats, obs)
+    stats = {"steps_decode_graph": 40, "steps_mixed_graph": 7, "steps_eager": 3, "mixed_step_buckets": [64, 128, 192]}
+    poller.poll()
+    stats = {**stats, "steps_decode_graph": 95, "steps_eager": 4, "mixed_step_buckets": []}
+    poller.poll()
+    assert _value(obs, "manylora_steps_total", kind="decode_graph") == 95
+    assert _value(obs, "manylora_steps_total", kind="mixed_graph") == 7
+    assert _value(obs, "manylora_steps_total", kind="eager") == 4
+    assert _value(obs, "manylora_mixed_step_buckets") == 0
+
+
 def test_observer_never_raises():
     obs = gm.MetricsObserver(_FakePb)
     obs.first_token("a", "not a number", None)  # swallowed
@@ -249,6 +265,12 @@ def test_metrics_after_known_traffic(server, client, tokenizer):
     assert _get(after, "manylora_adapter_loads_total") >= 1
     assert _get(after, "manylora_requests_running") == 0 and _get(after, "manylora_requests_waiting") == 0
     assert _get(after, "manylora_adapter_load_seconds_count") == _get(after, "manylora_host_cache_loads_total")
+    # on the CPU every step is eager (no CUDA graphs): each request's prefill and its decode steps at least
+    stats = client.stats()
+    assert delta("manylora_steps_total", kind="eager") >= sum(c["requests"] for c in sent.values())
+    assert _get(after, "manylora_steps_total", kind="eager") == stats["steps_eager"] == stats["steps"]
+    assert _get(after, "manylora_steps_total", kind="decode_graph") == 0
+    assert _get(after, "manylora_mixed_step_buckets") == 0 and stats["mixed_step_buckets"] == []
 
 
 @pytest.mark.e2e

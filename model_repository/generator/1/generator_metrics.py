@@ -44,6 +44,9 @@ FAMILIES: dict[str, tuple[str, str, list[float] | None]] = {
     "manylora_requests_waiting": ("GAUGE", "Requests waiting for admission", None),
     "manylora_adapters_resident": ("GAUGE", "Adapters resident in the GPU pool", None),
     "manylora_adapters_refused": ("GAUGE", "Catalogue adapters refused at startup (list_adapters says why)", None),
+    "manylora_steps_total": ("COUNTER", "Engine steps by how they ran (decode_graph, mixed_graph, eager)", None),
+    "manylora_mixed_step_buckets": ("GAUGE", "Mixed-step token buckets captured in CUDA graphs (0: those steps run "
+                                             "eagerly)", None),
 }
 PER_ADAPTER = {name for name in FAMILIES if name.startswith(("manylora_request", "manylora_prompt", "manylora_output",
                                                              "manylora_time_", "manylora_queue"))}
@@ -56,6 +59,8 @@ STATS_COUNTERS = {
     "host_misses": "manylora_host_cache_misses_total",
     "host_loads": "manylora_host_cache_loads_total",
 }
+# stats() counter -> the `kind` label of manylora_steps_total it advances
+STEP_KINDS = {"steps_decode_graph": "decode_graph", "steps_mixed_graph": "mixed_graph", "steps_eager": "eager"}
 
 
 class MetricsObserver:
@@ -83,8 +88,10 @@ class MetricsObserver:
         self._errors_reported = 0
         self._labelled: set[str] = set()  # adapters with their own label (at most adapter_labels)
         for name in FAMILIES:  # series without labels exist from the start
-            if name != "manylora_pool_pages" and name not in PER_ADAPTER:
+            if name not in ("manylora_pool_pages", "manylora_steps_total") and name not in PER_ADAPTER:
                 self.metric(name)
+        for kind in STEP_KINDS.values():
+            self.metric("manylora_steps_total", kind=kind)
         for use in ("kv", "adapters", "free"):
             self.metric("manylora_pool_pages", use=use)
 
@@ -216,12 +223,15 @@ class MetricsObserver:
             self.metric("manylora_adapters_resident").set(float(count))
         if "adapters_refused" in stats:
             self.metric("manylora_adapters_refused").set(float(stats["adapters_refused"]))
-        for key, family in STATS_COUNTERS.items():
-            if key in stats:
-                delta = int(stats[key]) - int(previous.get(key, 0))
-                metric = self.metric(family)
-                if delta > 0 or key not in previous:  # the first poll creates the series at 0
-                    metric.increment(max(0, delta))
+        if "mixed_step_buckets" in stats:
+            self.metric("manylora_mixed_step_buckets").set(float(len(stats["mixed_step_buckets"])))
+        counters = [(key, self.metric(family)) for key, family in STATS_COUNTERS.items() if key in stats]
+        counters += [(key, self.metric("manylora_steps_total", kind=kind)) for key, kind in STEP_KINDS.items()
+                     if key in stats]
+        for key, metric in counters:
+            delta = int(stats[key]) - int(previous.get(key, 0))
+            if delta > 0 or key not in previous:  # the first poll creates the series at 0
+                metric.increment(max(0, delta))
 
 
 class StatsPoller:
@@ -244,7 +254,7 @@ class StatsPoller:
         self._observer.flush()
         stats = self._stats()
         self._observer.record_stats(stats, self._previous)
-        self._previous = {k: stats[k] for k in STATS_COUNTERS if k in stats}
+        self._previous = {k: stats[k] for k in (*STATS_COUNTERS, *STEP_KINDS) if k in stats}
 
     def _run(self) -> None:
         failures = 0
