@@ -111,9 +111,11 @@ def test_stream_interval_gathers_tokens_into_fewer_responses(model):
             process.shutdown()
         assert len(result.token_ids) == 24
         counts[interval] = [len(c.token_ids) for c in result.chunks]
+    assert sum(counts["0"]) == sum(counts["10000"]) == 24
     assert len(counts["0"]) >= 10  # a response whenever the text is whole again (mostly one per token)
-    # the first whole piece of text at once, the rest with the end
-    assert len(counts["10000"]) == 2 and counts["10000"][0] == counts["0"][0]
+    # the first whole piece of text at once, the rest with the end. Outputs that wait for a busy delivery thread merge
+    # (delivery.py), so interval 0's first response holds that piece and maybe the next ones
+    assert len(counts["10000"]) == 2 and counts["10000"][0] <= counts["0"][0]
 
 
 def test_refusals_come_back_as_error_outputs_and_are_counted(engine):
