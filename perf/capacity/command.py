@@ -66,6 +66,20 @@ def default_out(gpu_name: str) -> Path:
     return REPO / "perf" / "results" / f"{dt.date.today().isoformat()}-{tag}" / "capacity"
 
 
+def display_path(path: Path) -> str:
+    """``path`` as results record it: ``$OUT`` for the output folder a remote runner copies back, relative to the
+    repository inside it, else as it is (results name no machine's folders where they need not)."""
+    out = os.environ.get("OUT")
+    resolved = Path(path).resolve()
+    if out and resolved == Path(out).resolve():
+        return "$OUT"
+    if out and resolved.is_relative_to(Path(out).resolve()):
+        return str(Path("$OUT") / resolved.relative_to(Path(out).resolve()))
+    if resolved.is_relative_to(REPO):
+        return str(resolved.relative_to(REPO))
+    return str(path)
+
+
 class Call:
     """One invocation: its config, output folders, store, budget, and the summary it keeps up to date."""
 
@@ -107,7 +121,7 @@ class Call:
         self.store = Store(self.workdir / f"store-{fingerprint(identity)}.json", identity, cfg.fresh)
         self.index = len(self.store.data["calls"])
         now = dt.datetime.now().isoformat(timespec="seconds")
-        self.store.data["calls"].append({"command": self.command, "date": now, "out": str(self.out),
+        self.store.data["calls"].append({"command": self.command, "date": now, "out": display_path(self.out),
                                          "targets": cfg.targets, "parts": cfg.parts})
         if self.ckpt.write_s:
             self.store.add("notes", f"checkpoint written in {self.ckpt.write_s} s")
@@ -326,7 +340,7 @@ def merge(paths: list[Path], out: Path | None, command: str) -> dict:
     if summary["sweeps"] and not plot_sweeps(summary, out):
         store.add("notes", "no plots: matplotlib is not importable here")
         summary = write_summary(store, header, counts, out)
-    summary["out"], summary["adapter_counts"] = str(out), counts
+    summary["out"], summary["adapter_counts"] = display_path(out), counts
     return summary
 
 
@@ -382,7 +396,7 @@ def _run_child(command: list[str], log: Path, timeout_s: float) -> str | None:
 def run(cfg: CapacityConfig, out: Path | None, command: str) -> dict:
     call = Call(cfg, out, command)
     call.setup()
-    log(f"device {call.ckpt.device} ({call.ckpt.device_name}); results in {call.out}")
+    log(f"device {call.ckpt.device} ({call.ckpt.device_name}); results in {display_path(call.out)}")
     try:
         if "engine" in cfg.targets:
             call.run_engine()
@@ -397,7 +411,7 @@ def run(cfg: CapacityConfig, out: Path | None, command: str) -> dict:
         call.stop_sampling()
         call.pack_files()
     summary = call.write()
-    summary["out"] = str(call.out)
+    summary["out"] = display_path(call.out)
     return summary
 
 
