@@ -1,10 +1,11 @@
 """Start the real Triton server (2.51, from the nvidia-pytriton wheel) on the manylora repository.
 
 Renders model_repository/ into --out with the parameters filled in (absolute paths, engine
-knobs), makes the Python-backend stub and its libraries reachable, then execs tritonserver
-listening on 127.0.0.1 (--address picks another: a deliberate choice). Triton's administrative
-APIs (shared memory, model repository, model config, statistics, logging, trace) are restricted
-to requests that carry the header ``manylora-admin-key`` with the operator's key (--admin-key,
+knobs), makes the Python-backend stub and its libraries reachable, then runs tritonserver
+listening on 127.0.0.1 (--address picks another: a deliberate choice) until it stops; one still there
+10 s after its exit timeout from SIGINT / SIGTERM is killed (manylora.deploy.supervisor). Triton's
+administrative APIs (shared memory, model repository, model config, statistics, logging, trace) are
+restricted to requests that carry the header ``manylora-admin-key`` with the operator's key (--admin-key,
 $MANYLORA_ADMIN_KEY, else a random key kept in --admin-key-file); --open-apis opens some or all.
 docs/security.md says what is exposed and why. The helpers are importable so the end-to-end
 tests start the server exactly the same way:
@@ -29,6 +30,7 @@ from manylora.deploy.operator_key import operator_key
 from manylora.deploy.repository import ENGINE_PARAMS, MODEL_PARAMS, RenderSpec, check_engine_params, parse_params
 from manylora.deploy.repository import render_repository as render
 from manylora.deploy.server_flags import ADMIN_APIS, ADMIN_HEADER, PYTHON_BACKEND_FLAGS, listen_flags, restriction_flags
+from manylora.deploy.supervisor import supervise
 
 REPO = Path(__file__).resolve().parent.parent
 # the rendering and the server flags are manylora.deploy's (python -m manylora.deploy render serves a fleet's own
@@ -143,32 +145,6 @@ def openai_command(grpc_port: int, port: int, address: str = "127.0.0.1") -> lis
             "--port", str(port)]
 
 
-def run_with_front(cmd: list[str], env: dict[str, str], front: list[str]) -> int:
-    """Run tritonserver and the front side by side; SIGINT / SIGTERM go to both, and the front is stopped when the
-    server exits. The server's exit status."""
-    import signal
-    import subprocess
-
-    server = subprocess.Popen(cmd, env=env)
-    child = subprocess.Popen(front)
-
-    def forward(signum, _frame) -> None:
-        for process in (child, server):
-            if process.poll() is None:
-                process.send_signal(signum)
-
-    signal.signal(signal.SIGINT, forward)
-    signal.signal(signal.SIGTERM, forward)
-    code = server.wait()
-    if child.poll() is None:
-        child.terminate()
-        try:
-            child.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            child.kill()
-    return code
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base-model", default="build/default/base", help="HF checkpoint dir (with tokenizer.json)")
@@ -215,10 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         print(" ".join(front), file=sys.stderr, flush=True)
     if args.dry_run:
         return 0
-    if front:
-        return run_with_front(cmd, server_env(), front)
-    os.execve(cmd[0], cmd, server_env())
-    return 0  # not reached
+    return supervise(cmd, server_env(), front)
 
 
 if __name__ == "__main__":
