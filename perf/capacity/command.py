@@ -296,9 +296,9 @@ class Call:
             if not self.budget.allows(0):
                 self.skip(f"vllm max_loras={k}: the time budget was spent")
                 continue
-            plan = VllmPlan(self.ckpt.base_dir, self.ckpt.catalogue, asdict(cfg.request_set), list(cfg.adapters), k,
-                            cfg.max_num_seqs, cfg.request_set.max_model_len, max(16, cfg.rank),
-                            cfg.max_cpu_loras or max(cfg.adapters), cfg.vllm_gpu_memory_utilization,
+            plan = VllmPlan(self.ckpt.base_dir, self.ckpt.catalogue, asdict(cfg.request_set),
+                            cfg.vllm_adapter_counts, k, cfg.max_num_seqs, cfg.request_set.max_model_len,
+                            max(16, cfg.rank), cfg.max_cpu_loras or max(cfg.adapters), cfg.vllm_gpu_memory_utilization,
                             "bfloat16" if self.ckpt.device.startswith("cuda") else "float32",
                             str(self.logs / f"{target_name(k)}.results.json"), str(self.runs), self.budget.deadline)
             log(f"vLLM {why} max_loras={k} ({python})")

@@ -53,6 +53,7 @@ class CapacityConfig:
     client_processes: int = 2
     client_streams: int = 2
     vllm_max_loras: list[int] = field(default_factory=lambda: [8, 32, 256])
+    vllm_adapters: list[int] | None = None  # the adapter counts vLLM runs at, of ``adapters``; None: all of them
     vllm_python: str | None = None
     vllm_gpu_memory_utilization: float = 0.85
     offline_cap_s: float = 120.0
@@ -75,8 +76,16 @@ class CapacityConfig:
             self.parts = [*self.parts, "soak"]
         if not self.adapters or min(self.adapters) < 0:
             raise ValueError(f"--adapters must be counts >= 0, got {self.adapters}")
+        if self.vllm_adapters is not None and not set(self.vllm_adapters) <= set(self.adapters):
+            raise ValueError(f"--vllm-adapters {self.vllm_adapters} must be among --adapters {self.adapters}: vLLM "
+                             "is rated against the engine run of its own call")
         if self.sweep_adapters is None:
             self.sweep_adapters = 100 if 100 in self.adapters else max(self.adapters)
+
+    @property
+    def vllm_adapter_counts(self) -> list[int]:
+        """The adapter counts each vLLM ``max_loras`` runs at in this call."""
+        return list(self.adapters if self.vllm_adapters is None else self.vllm_adapters)
 
     @property
     def request_set(self) -> RequestSetConfig:
@@ -153,6 +162,9 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     p.add_argument("--client-processes", type=int)
     p.add_argument("--client-streams", type=int, help="gRPC streams per client process")
     p.add_argument("--vllm-max-loras", type=_ints)
+    p.add_argument("--vllm-adapters", type=_ints,
+                   help="the adapter counts vLLM runs at, of --adapters (default: all), e.g. to leave out those where "
+                        "its max_loras cannot compete")
     p.add_argument("--vllm-python", help="the interpreter with vllm (default: this one, /usr/bin/python3, python3)")
     p.add_argument("--vllm-gpu-memory-utilization", type=float)
     p.add_argument("--offline-cap", type=float, dest="offline_cap_s", help="an offline run is cancelled after this")

@@ -1,0 +1,25 @@
+"""The capacity benchmark's command line (perf/capacity/config.py): what a call measures, and refusals of a call
+that could not be rated."""
+
+from __future__ import annotations
+
+import pytest
+
+from perf.capacity.config import parse_args
+
+
+def test_vllm_runs_at_every_adapter_count_of_the_call_by_default():
+    cfg, _ = parse_args(["--shape", "tiny", "--adapters", "0,5,100", "--vllm-max-loras", "8,32"])
+    assert cfg.vllm_max_loras == [8, 32]
+    assert cfg.vllm_adapter_counts == [0, 5, 100]
+
+
+def test_vllm_adapters_picks_a_subset_of_the_calls_counts():
+    cfg, _ = parse_args(["--shape", "tiny", "--adapters", "100,1000", "--vllm-adapters", "100"])
+    assert cfg.adapters == [100, 1000]
+    assert cfg.vllm_adapter_counts == [100]
+
+
+def test_vllm_adapters_outside_the_calls_counts_are_refused():
+    with pytest.raises(ValueError, match=r"--vllm-adapters \[5\] must be among --adapters \[0, 100\]"):
+        parse_args(["--shape", "tiny", "--adapters", "0,100", "--vllm-adapters", "5"])
