@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import process_alive
 
 from manylora.deploy.supervisor import StopPolicy, exit_timeout_s, supervise
 
@@ -21,16 +22,6 @@ def _script(tmp_path: Path, name: str, body: str) -> list[str]:
     path = tmp_path / name
     path.write_text(textwrap.dedent(body))
     return [sys.executable, str(path)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie (exited, not yet reaped by its parent) counts as gone
-    status = Path(f"/proc/{pid}/status")
-    return not status.exists() or "zombie" not in status.read_text()
 
 
 def _signal_when_ready(*ready: Path, signum: int = signal.SIGTERM, timeout_s: float = 30.0) -> threading.Thread:
@@ -78,7 +69,7 @@ def test_a_server_that_stops_on_sigterm_ends_with_its_own_status_and_stops_the_f
     assert code == 7
     assert time.monotonic() - started < 25  # not the kill: the server stopped by itself
     front_pid = int(front_ready.with_suffix(".pid").read_text())
-    assert not _alive(front_pid)
+    assert not process_alive(front_pid)
 
 
 def test_a_server_that_hangs_after_sigterm_is_killed_with_its_children_after_exit_timeout_and_grace(tmp_path, capfd):
@@ -102,9 +93,9 @@ def test_a_server_that_hangs_after_sigterm_is_killed_with_its_children_after_exi
     assert policy.kill_after_s <= took < 20
     stub_pid = int(child_pid_file.read_text())
     deadline = time.monotonic() + 5
-    while _alive(stub_pid) and time.monotonic() < deadline:
+    while process_alive(stub_pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(stub_pid), "the server's child outlived the kill"
+    assert not process_alive(stub_pid), "the server's child outlived the kill"
     assert "did not stop within 1 s of the signal" in capfd.readouterr().err
 
 

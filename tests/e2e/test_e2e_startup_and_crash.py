@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from conftest import EXIT_TIMEOUT_S
+from processes import process_alive
 
 pytestmark = pytest.mark.e2e
 
@@ -100,15 +101,6 @@ def _children(pid: int) -> list[int]:
     return [child for child, ppid, _ in _ps() if ppid == pid]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.exists() and stat.read_text().split(")")[-1].split()[0] == "Z")  # a zombie is gone
-
-
 def test_a_killed_server_takes_the_generator_stub_and_engine_with_it(model_dir, tmp_path, make_server):
     """Stopped with streams in flight, tritonserver 2.51 waits its exit timeout, says "Exiting immediately" and
     then hangs (the stub's sends, cancellation checks and metric updates wait on it, and it on them) until it is
@@ -142,9 +134,9 @@ def test_a_killed_server_takes_the_generator_stub_and_engine_with_it(model_dir, 
             srv.process.kill()
             srv.process.wait(10)
         deadline = time.monotonic() + 15
-        while any(_alive(pid) for pid in [stub, *engines]) and time.monotonic() < deadline:
+        while any(process_alive(pid) for pid in [stub, *engines]) and time.monotonic() < deadline:
             time.sleep(0.2)
-        left = [pid for pid in [stub, *engines] if _alive(pid)]
+        left = [pid for pid in [stub, *engines] if process_alive(pid)]
         assert not left, f"still running after the server was killed: {[r for r in _ps() if r[0] in left]}"
     finally:
         client.stop_stream(cancel_requests=True)
