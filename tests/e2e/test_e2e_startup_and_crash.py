@@ -70,29 +70,34 @@ def _ps() -> list[tuple[int, int, str]]:
     return rows
 
 
-def _generator_stubs(server_pid: int) -> list[int]:
-    """Pids of the server's triton_python_backend_stub children that run the generator model."""
+def _stubs(server_pid: int, model: str) -> list[int]:
+    """Pids of the server's triton_python_backend_stub children that run ``model``."""
     return [pid for pid, ppid, args in _ps()
-            if ppid == server_pid and "triton_python_backend_stub" in args and "/generator/1/model.py" in args]
+            if ppid == server_pid and "triton_python_backend_stub" in args and f"/{model}/1/model.py" in args]
 
 
-def test_dead_stub_is_caught_by_the_healthcheck(model_dir, tmp_path, make_server):
+@pytest.mark.parametrize("model", ["generator", "postprocessing"])
+def test_dead_stub_is_caught_by_the_healthcheck(model, model_dir, tmp_path, make_server):
+    """A dead stub of the generator (every request fails) or of postprocessing (llm requests wait forever: a
+    decoupled model's stub is not restarted) fails the check while Triton 2.51 still reports itself ready."""
     srv = make_server(model_dir, tmp_path)
     try:
         ok = healthcheck(srv)
         assert ok.returncode == 0, ok.stderr
-        assert ok.stdout.startswith("ok:"), ok.stdout
-        stubs = _generator_stubs(srv.process.pid)
-        assert len(stubs) == 1, (srv.process.pid, [r for r in _ps() if "stub" in r[2]])
-        os.kill(stubs[0], signal.SIGKILL)  # the stub this test's server started
+        assert ok.stdout.startswith("ok:") and "'generator'" in ok.stdout and "'llm'" in ok.stdout, ok.stdout
+        stubs = _stubs(srv.process.pid, model)
+        assert stubs, (srv.process.pid, [r for r in _ps() if "stub" in r[2]])
+        for pid in stubs:
+            os.kill(pid, signal.SIGKILL)  # the stubs this test's server started
         time.sleep(2)
-        assert srv.process.poll() is None, "tritonserver died with the stub"
-        ready = srv.live() and srv.model_ready("generator")
+        assert srv.process.poll() is None, f"tritonserver died with the {model} stub"
+        ready = srv.live() and srv.model_ready(model) and srv.model_ready("llm")
         dead = healthcheck(srv, timeout=10)
-        print(f"after kill: /v2/health/ready and generator ready = {ready}; healthcheck rc={dead.returncode}: "
-              f"{dead.stderr.strip()[:300]}")
+        print(f"after killing {model}: /v2/health/ready and the models ready = {ready}; healthcheck "
+              f"rc={dead.returncode}: {dead.stderr.strip()[:300]}")
         assert ready, "Triton 2.51 now reports the dead stub (readiness tied to stub health?)"
         assert dead.returncode != 0 and dead.stderr.startswith("unhealthy:"), (dead.returncode, dead.stderr)
+        assert ("'generator'" if model == "generator" else "'llm'") in dead.stderr, dead.stderr
     finally:
         srv.stop()
 
@@ -109,7 +114,7 @@ def test_a_killed_server_takes_the_generator_stub_and_engine_with_it(model_dir, 
     srv = make_server(model_dir, tmp_path, {"max_model_len": "4096"})
     client = grpcclient.InferenceServerClient(srv.grpc_url)
     try:
-        [stub] = _generator_stubs(srv.process.pid)
+        [stub] = _stubs(srv.process.pid, "generator")
         engines = _children(stub)
         assert engines, f"no engine process under the generator stub {stub}"
         inputs = []
