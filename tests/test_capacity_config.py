@@ -1,5 +1,5 @@
-"""The capacity benchmark's command line (perf/capacity/config.py): what a call measures, and refusals of a call
-that could not be rated."""
+"""The capacity benchmark's command line (perf/capacity/config.py): what a call measures, refusals of a call that
+could not be rated, and how a call records where its results went."""
 
 from __future__ import annotations
 
@@ -23,3 +23,18 @@ def test_vllm_adapters_picks_a_subset_of_the_calls_counts():
 def test_vllm_adapters_outside_the_calls_counts_are_refused():
     with pytest.raises(ValueError, match=r"--vllm-adapters \[5\] must be among --adapters \[0, 100\]"):
         parse_args(["--shape", "tiny", "--adapters", "0,100", "--vllm-adapters", "5"])
+
+
+def test_results_record_the_output_folder_as_out_and_repository_paths_relative(tmp_path, monkeypatch):
+    from perf.capacity.command import REPO, display_path
+
+    out = tmp_path / "device-out"
+    out.mkdir()
+    monkeypatch.setenv("OUT", str(out))
+    assert display_path(out) == "$OUT"
+    assert display_path(out / "calls" / "1") == "$OUT/calls/1"
+    assert display_path(REPO / "perf" / "results" / "x") == "perf/results/x"
+    elsewhere = tmp_path / "elsewhere"
+    assert display_path(elsewhere) == str(elsewhere)
+    monkeypatch.delenv("OUT")
+    assert display_path(out) == str(out)

@@ -439,18 +439,3 @@ def test_capacity_request_is_hashable_and_frozen():
     r = CapacityRequest(0, (1, 2), 3, None)
     with pytest.raises(AttributeError):
         r.output_len = 4  # type: ignore[misc]
-
-
-def test_results_record_the_output_folder_as_out_and_repository_paths_relative(tmp_path, monkeypatch):
-    from perf.capacity.command import REPO, display_path
-
-    out = tmp_path / "device-out"
-    out.mkdir()
-    monkeypatch.setenv("OUT", str(out))
-    assert display_path(out) == "$OUT"
-    assert display_path(out / "calls" / "1") == "$OUT/calls/1"
-    assert display_path(REPO / "perf" / "results" / "x") == "perf/results/x"
-    elsewhere = tmp_path / "elsewhere"
-    assert display_path(elsewhere) == str(elsewhere)
-    monkeypatch.delenv("OUT")
-    assert display_path(out) == str(out)
