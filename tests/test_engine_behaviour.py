@@ -165,6 +165,44 @@ def test_emit_failure_does_not_stop_the_engine(engine):
     assert all(r.error is None for r in after)
 
 
+def test_a_finished_request_has_freed_its_pages_when_its_client_hears_it(engine):
+    """The last output of a request (streamed or not) comes after its KV pages went back to the pool: a client
+    that reads the pool, or submits again, on hearing "finished" sees them free."""
+    seen: dict[str, int] = {}
+    done = threading.Event()
+    requests = [GenerationRequest(f"f{i}", [0, 7, 9, 11], None, SamplingParams(max_tokens=4, ignore_eos=True),
+                                  stream=stream) for i, stream in enumerate((True, False))]
+
+    def emitter(rid):
+        def emit(out):
+            if out.finished:
+                seen[rid] = engine.pool.usage()["kv"]
+                if len(seen) == len(requests):
+                    done.set()
+        return emit
+
+    for r in requests:
+        engine.submit(r, emitter(r.request_id))
+    assert done.wait(30)
+    # KV pages still held when the callback ran can only be the other request's (both run in one batch)
+    assert min(seen.values()) == 0 and max(seen.values()) <= engine.kv.pages_needed(4 + 4), seen
+
+
+def test_an_undeliverable_last_output_counts_as_an_error(engine):
+    """A request whose only output (not streamed) cannot be delivered is counted failed, not finished."""
+    def broken(out):
+        raise RuntimeError("client went away")
+
+    before = engine.stats()
+    engine.submit(GenerationRequest("gone", [0, 5, 6], None, SamplingParams(max_tokens=3), stream=False), broken)
+    deadline = time.time() + 30
+    while engine.stats()["errors"] == before["errors"] and time.time() < deadline:
+        time.sleep(0.01)
+    after = engine.stats()
+    assert after["errors"] == before["errors"] + 1 and after["finished"] == before["finished"]
+    assert engine.pool.usage()["kv"] == 0
+
+
 def test_queue_limit_refuses_with_unavailable(tmp_path):
     base = make_base(tmp_path / "base", "llama", layers=1, seed=2)
     eng = Engine(EngineConfig(model_dir=str(base), max_queue_size=2), start=False)

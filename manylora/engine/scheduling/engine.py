@@ -476,10 +476,14 @@ class Engine:
         self._counters["tokens_out"] += len(seq.output_ids) - before  # an EOS ends the request, it is no output
         self._observe_token(seq)
         output = seq.next_output()
-        if output is not None:
-            self._emit(seq, output)
-        if seq.finish_reason is not None and seq.status is not Status.FINISHED:
-            self.scheduler.remove(seq)
+        finishing = seq.finish_reason is not None and seq.status is not Status.FINISHED
+        if finishing:
+            self.scheduler.remove(seq)  # its pages are free before its client hears that it finished
+        if output is not None and not self._emit(seq, output):
+            if finishing:
+                self._count_undelivered(seq)
+            return
+        if finishing:
             self._counters["finished"] += 1
             self.observer.request_finished(seq.adapter, len(seq.prompt_ids), len(seq.output_ids),
                                            seq.finish_reason, seq.time_per_output_token())
@@ -492,17 +496,24 @@ class Engine:
             self.observer.first_token(seq.adapter, queue_s, now - seq.submitted_at)
         seq.last_token_at = now
 
-    def _emit(self, seq: Sequence, output: GenerationOutput) -> None:
+    def _emit(self, seq: Sequence, output: GenerationOutput) -> bool:
+        """Hand one output to its client; False (the request ended, its pages freed) when the client's callback
+        raised."""
         seq.last_output_at = time.perf_counter()
         try:
             seq.emit(output)
+            return True
         except Exception:  # noqa: BLE001 - a client gone away must not stop the engine
             log.warning("request %s: emit failed:\n%s", seq.request_id, traceback.format_exc())
             if seq.status is not Status.FINISHED:
                 seq.finish_reason = seq.finish_reason or "error"
                 self.scheduler.remove(seq)
-                self._counters["errors"] += 1
-                self.observer.request_failed(seq.adapter, ErrorCode.UNAVAILABLE.value)
+                self._count_undelivered(seq)
+            return False
+
+    def _count_undelivered(self, seq: Sequence) -> None:
+        self._counters["errors"] += 1
+        self.observer.request_failed(seq.adapter, ErrorCode.UNAVAILABLE.value)
 
     def _finish_with_error(self, seq: Sequence, error: RequestError) -> None:
         if seq.status is Status.FINISHED:  # already ended (an emit that failed earlier in this pass)
