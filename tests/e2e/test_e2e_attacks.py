@@ -369,6 +369,49 @@ def _forged_cancel(s, t: Tools) -> str:
     return "20 guessed keys cancelled nothing"
 
 
+def _stream_output_names(server, model: str, inputs: dict[str, np.ndarray], outputs: list[str]) -> list[set[str]]:
+    """The output names of each response of one gRPC stream request asking for ``outputs``."""
+    results: queue.Queue = queue.Queue()
+    grpc = grpcclient.InferenceServerClient(server.grpc_url)
+    grpc.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        grpc.async_stream_infer(model, [_tensor(name, array) for name, array in inputs.items()],
+                                outputs=[grpcclient.InferRequestedOutput(o) for o in outputs],
+                                enable_empty_final_response=True)
+        names = []
+        while True:
+            result, error = results.get(timeout=60)
+            assert error is None, error.message()
+            response = result.get_response()
+            if response.outputs:
+                names.append({o.name for o in response.outputs})
+            if response.parameters["triton_final_response"].bool_param:
+                return names
+    finally:
+        grpc.stop_stream()
+        grpc.close()
+
+
+def _cancel_answer_has_no_tensors(s, t: Tools) -> str:
+    """postprocessing sends cancels through BLS, whose response tensors the 2.51 stub builds without the GIL."""
+    cancel = {"control": _text(json.dumps({"op": "cancel", "key": "k" * 32}))}
+    assert _stream_output_names(s, "generator", cancel, ["control_output"]) == []
+    return "the final flag alone"
+
+
+def _postprocessing_one_output(s, t: Tools) -> str:
+    """postprocessing called directly for one of its five outputs, from 8 streams at once: the stub would drop the
+    other four without the GIL (while its other threads run Python) if they were built."""
+    ids = t.ids()
+    step = {"request_key": _text("k"), "output_ids": _ints(ids[1:]), "context_ids": _ints(ids[:1]),
+            "strip_chars": _ints([0]), "lora_version": _text("")}
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: _stream_output_names(s, "postprocessing", step, ["text_output"]),
+                                range(64)))
+    assert all(a == [{"text_output"}] for a in answers), answers[:3]
+    return "64 answers of text_output alone"
+
+
 def _bad_json(s, t: Tools) -> str:
     status, text = t.http("/v2/models/llm/generate", b'{"text_input": "hi", "max_tokens": ')
     assert status in (400, 500), (status, text)  # Triton's own parser answers (500 in 2.51)
@@ -433,6 +476,8 @@ ATTACKS = [
     Attack("adapter listing and stats", "endpoints", _listing_has_no_paths),
     Attack("load an adapter from /etc", "endpoints", _runtime_update_off),
     Attack("forged cancel keys", "endpoints", _forged_cancel),
+    Attack("a cancel asking for control_output", "endpoints", _cancel_answer_has_no_tensors),
+    Attack("postprocessing asked for one output", "endpoints", _postprocessing_one_output),
     # silent fallbacks and statuses
     Attack("misspelled input lora_nme (HTTP)", "fallback", _unknown_key({"lora_nme": "shout"}, "lora_nme")),
     Attack("unknown parameter (gRPC)", "fallback", _grpc_parameter),

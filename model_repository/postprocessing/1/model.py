@@ -7,7 +7,9 @@ was cancelled: a gRPC cancel, a closed HTTP stream) the generator is told to sto
 (control op "cancel" with the key), since Triton does not tell it; the request itself gets no
 response either: an error response from this step to a cancelled ensemble request leaves the
 ensemble request in flight for good in Triton 2.51 (the server then waits its whole exit timeout).
-The generator's own CANCELLED error ends the ensemble request.
+The generator's own CANCELLED error ends the ensemble request. It answers the cancel with the final flag alone,
+and a response here holds only the outputs its request asked for: the 2.51 stub handles BLS response tensors and
+unrequested outputs without the GIL (docs/security.md).
 
 Speed: every chunk of every stream is a request here, and a response send waits for the server (an IPC round
 trip). So execute() only decodes; the sends (and cancels) run on SENDER_THREADS threads, each request on the
@@ -28,6 +30,7 @@ import triton_python_backend_utils as pb_utils
 
 from manylora.engine.repository_paths import model_parameters
 from manylora.engine.requests.detokenize import decode_chunk, tokenizer_from_parameters
+from manylora.engine.requests.response_tensors import is_requested
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 GENERATOR = "generator"
@@ -123,12 +126,14 @@ class TritonPythonModel:
                             _array(request, "context_ids").reshape(-1).tolist(),
                             int(strip.reshape(-1)[0]) if strip is not None else 0)
         version = _array(request, "lora_version")
+        outputs = {"text_output": lambda: np.array([[text.encode("utf-8")]], dtype=np.object_),
+                   "lora_version_out": lambda: version.reshape(1, 1).astype(np.object_),
+                   **{f"{name}_out": (lambda name=name, default=default: _passed_on(request, name, default))
+                      for name, default in PASSED_ON.items()}}
+        # only the requested ones: the stub would drop the others without the GIL (response_tensors.py)
+        requested = frozenset(request.requested_output_names())
         return pb_utils.InferenceResponse(output_tensors=[
-            pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_)),
-            pb_utils.Tensor("lora_version_out", version.reshape(1, 1).astype(np.object_)),
-            *(pb_utils.Tensor(f"{name}_out", _passed_on(request, name, default))
-              for name, default in PASSED_ON.items()),
-        ])
+            pb_utils.Tensor(name, build()) for name, build in outputs.items() if is_requested(name, requested)])
 
     @staticmethod
     def _cancel(key: bytes) -> None:
