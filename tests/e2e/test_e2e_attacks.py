@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import random
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from grpc_streams import grpc_input, stream_error, stream_output_names
 
 pytestmark = pytest.mark.e2e
 
@@ -70,7 +70,7 @@ class Tools:
         return json.loads(body)["error"]
 
     def stream_error(self, model: str, inputs: dict[str, np.ndarray], parameters: dict | None = None) -> str | None:
-        return stream_error(self.server, model, [_tensor(name, array) for name, array in inputs.items()], parameters)
+        return stream_error(self.server, model, [grpc_input(name, array) for name, array in inputs.items()], parameters)
 
     def in_flight(self) -> int:
         stats = self.client.stats()
@@ -83,33 +83,6 @@ class Tools:
             assert time.monotonic() - start < within, f"requests still in the engine after {within} s"
             time.sleep(0.02)
         return time.monotonic() - start
-
-
-def stream_error(server, model: str, inputs: list, parameters: dict | None = None) -> str | None:
-    """The error message of one gRPC stream request (None if it finished without one)."""
-    results: queue.Queue = queue.Queue()
-    grpc = grpcclient.InferenceServerClient(server.grpc_url)
-    grpc.start_stream(callback=lambda result, error: results.put((result, error)))
-    try:
-        grpc.async_stream_infer(model, inputs, parameters=parameters, enable_empty_final_response=True)
-        while True:
-            result, error = results.get(timeout=120)
-            if error is not None:
-                return error.message()
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                return None
-    finally:
-        grpc.stop_stream()
-        grpc.close()
-
-
-def _tensor(name: str, array: np.ndarray):
-    dtype = {"O": "BYTES", "i": "INT32", "f": "FP32", "b": "BOOL", "u": "UINT64"}[array.dtype.kind]
-    if array.dtype == np.int64:
-        dtype = "INT64"
-    tensor = grpcclient.InferInput(name, list(array.shape), dtype)
-    tensor.set_data_from_numpy(array)
-    return tensor
 
 
 def _text(text: str | bytes) -> np.ndarray:
@@ -189,7 +162,7 @@ def _abandoned_streams(model: str, n: int):
             else:
                 inputs = {"input_ids": _ints(t.ids()), "max_tokens": _one(200, np.int32),
                           "stream": _one(True, np.bool_), "ignore_eos": _one(True, np.bool_)}
-            grpc.async_stream_infer(model, [_tensor(k, v) for k, v in inputs.items()],
+            grpc.async_stream_infer(model, [grpc_input(k, v) for k, v in inputs.items()],
                                     parameters={"sampling_parameters": json.dumps({"ignore_eos": True})}
                                     if model == "llm" else None)
             clients.append(grpc)
@@ -369,34 +342,22 @@ def _forged_cancel(s, t: Tools) -> str:
     return "20 guessed keys cancelled nothing"
 
 
-def _stream_output_names(server, model: str, inputs: dict[str, np.ndarray], outputs: list[str]) -> list[set[str]]:
-    """The output names of each response of one gRPC stream request asking for ``outputs``."""
-    results: queue.Queue = queue.Queue()
-    grpc = grpcclient.InferenceServerClient(server.grpc_url)
-    grpc.start_stream(callback=lambda result, error: results.put((result, error)))
-    try:
-        grpc.async_stream_infer(model, [_tensor(name, array) for name, array in inputs.items()],
-                                outputs=[grpcclient.InferRequestedOutput(o) for o in outputs],
-                                enable_empty_final_response=True)
-        names = []
-        while True:
-            result, error = results.get(timeout=60)
-            assert error is None, error.message()
-            response = result.get_response()
-            if response.outputs:
-                names.append({o.name for o in response.outputs})
-            if response.parameters["triton_final_response"].bool_param:
-                return names
-    finally:
-        grpc.stop_stream()
-        grpc.close()
-
-
 def _cancel_answer_has_no_tensors(s, t: Tools) -> str:
     """postprocessing sends cancels through BLS, whose response tensors the 2.51 stub builds without the GIL."""
     cancel = {"control": _text(json.dumps({"op": "cancel", "key": "k" * 32}))}
-    assert _stream_output_names(s, "generator", cancel, ["control_output"]) == []
+    assert stream_output_names(s, "generator", cancel, ["control_output"]) == []
     return "the final flag alone"
+
+
+def _keepalive_without_its_key(s, t: Tools) -> str:
+    """A direct generator request that sets keepalive (as preprocessing does) but asks for output_ids alone: its
+    request_key, were it built, would be dropped by the stub without the GIL."""
+    inputs = {"input_ids": _ints(t.ids()), "max_tokens": _one(24, np.int32), "keepalive": _one(True, np.bool_),
+              "stream": _one(True, np.bool_), "ignore_eos": _one(True, np.bool_)}
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: stream_output_names(s, "generator", inputs, ["output_ids"]), range(16)))
+    assert all(a and all(names == {"output_ids"} for names in a) for a in answers), answers[:2]
+    return f"{sum(map(len, answers))} responses of output_ids alone"
 
 
 def _postprocessing_one_output(s, t: Tools) -> str:
@@ -406,7 +367,7 @@ def _postprocessing_one_output(s, t: Tools) -> str:
     step = {"request_key": _text("k"), "output_ids": _ints(ids[1:]), "context_ids": _ints(ids[:1]),
             "strip_chars": _ints([0]), "lora_version": _text("")}
     with ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(lambda _: _stream_output_names(s, "postprocessing", step, ["text_output"]),
+        answers = list(pool.map(lambda _: stream_output_names(s, "postprocessing", step, ["text_output"]),
                                 range(64)))
     assert all(a == [{"text_output"}] for a in answers), answers[:3]
     return "64 answers of text_output alone"
@@ -478,6 +439,7 @@ ATTACKS = [
     Attack("forged cancel keys", "endpoints", _forged_cancel),
     Attack("a cancel asking for control_output", "endpoints", _cancel_answer_has_no_tensors),
     Attack("postprocessing asked for one output", "endpoints", _postprocessing_one_output),
+    Attack("generator keepalive asking for output_ids alone", "endpoints", _keepalive_without_its_key),
     # silent fallbacks and statuses
     Attack("misspelled input lora_nme (HTTP)", "fallback", _unknown_key({"lora_nme": "shout"}, "lora_nme")),
     Attack("unknown parameter (gRPC)", "fallback", _grpc_parameter),

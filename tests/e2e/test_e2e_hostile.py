@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from test_e2e_attacks import stream_error
+from grpc_streams import stream_error
 
 from manylora.client import ManyLoraError
 

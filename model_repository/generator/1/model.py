@@ -323,7 +323,7 @@ class _Emitter:
                 return
             tensors = [] if out.heartbeat else [pb_utils.Tensor(name, array)
                                                 for name, array in output_arrays(out, self.requested)]
-            if self.key is not None:
+            if self.key is not None and is_requested("request_key", self.requested):  # a client may set keepalive
                 tensors.append(pb_utils.Tensor("request_key", self.key))
             if out.finished:
                 self.forget()
