@@ -249,8 +249,7 @@ class TritonPythonModel:
             if request_id is not None:
                 self.engine.cancel(request_id, "cancelled by the client")
             # the answer is the final flag alone: postprocessing asks through BLS, and the Triton 2.51 stub turns a
-            # BLS response's tensors into numpy arrays on a thread without the GIL (its heap was corrupted: the
-            # postprocessing stub segfaulted while 32 cancelled streams were being stopped)
+            # BLS response's tensors into numpy arrays on a thread without the GIL, corrupting its heap
             sender.send(flags=FINAL)
             return
         else:  # parse_control knows the ops
