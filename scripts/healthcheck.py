@@ -84,8 +84,8 @@ def check(url: str, timeout: float, model: str = "generator", token_id: int = 0,
             if error is not None:
                 message = error.message() if isinstance(error, InferenceServerException) else str(error)
                 raise RuntimeError(f"'{model}' at {url} answered with an error: {message}")
-            got = result.as_numpy(output)
-            tokens = 0 if got is None else int(got.reshape(-1)[0]) if text_model else got.size
+            got = result.as_numpy(output)  # llm: the token count; generator: the token ids
+            tokens = 0 if got is None else (int(got.reshape(-1)[0]) if text_model else got.size)
             if tokens:
                 return f"ok: {tokens} token from '{model}' at {url} in {time.perf_counter() - t0:.2f} s"
             params = result.get_response().parameters

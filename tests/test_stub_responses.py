@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from manylora.engine.requests.response_tensors import GENERATOR_OUTPUTS
 from manylora.engine.requests.types import GenerationOutput
 from model_factory import train_tokenizer
 
@@ -107,8 +108,7 @@ def generator(monkeypatch):
 @pytest.mark.parametrize(("requested", "names"), [
     ({"output_ids"}, ["output_ids"]),
     ({"output_ids", "request_key"}, ["output_ids", "request_key"]),
-    (set(), ["output_ids", "context_ids", "strip_chars", "lora_version", "num_input_tokens", "num_output_tokens",
-             "finish_reason", "request_key"]),
+    (set(), [*GENERATOR_OUTPUTS, "request_key"]),
 ])
 def test_a_keepalive_request_gets_its_key_only_when_it_asked_for_it(generator, requested, names):
     """A client may set keepalive on a direct generator request (preprocessing does inside the ensemble)."""

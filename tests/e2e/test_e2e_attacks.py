@@ -351,7 +351,8 @@ def _cancel_answer_has_no_tensors(s, t: Tools) -> str:
 
 def _keepalive_without_its_key(s, t: Tools) -> str:
     """A direct generator request that sets keepalive (as preprocessing does) but asks for output_ids alone: its
-    request_key, were it built, would be dropped by the stub without the GIL."""
+    request_key, were it built, would be dropped by the stub without the GIL. The stub prunes what the client sees
+    either way, so this checks the server through it; tests/test_stub_responses.py checks what the model builds."""
     inputs = {"input_ids": _ints(t.ids()), "max_tokens": _one(24, np.int32), "keepalive": _one(True, np.bool_),
               "stream": _one(True, np.bool_), "ignore_eos": _one(True, np.bool_)}
     with ThreadPoolExecutor(8) as pool:
@@ -362,7 +363,9 @@ def _keepalive_without_its_key(s, t: Tools) -> str:
 
 def _postprocessing_one_output(s, t: Tools) -> str:
     """postprocessing called directly for one of its five outputs, from 8 streams at once: the stub would drop the
-    other four without the GIL (while its other threads run Python) if they were built."""
+    other four without the GIL (while its other threads run Python) if they were built. The stub prunes what the
+    client sees either way, so this checks the server through it; tests/test_stub_responses.py checks what the model
+    builds."""
     ids = t.ids()
     step = {"request_key": _text("k"), "output_ids": _ints(ids[1:]), "context_ids": _ints(ids[:1]),
             "strip_chars": _ints([0]), "lora_version": _text("")}

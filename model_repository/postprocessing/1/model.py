@@ -126,14 +126,13 @@ class TritonPythonModel:
                             _array(request, "context_ids").reshape(-1).tolist(),
                             int(strip.reshape(-1)[0]) if strip is not None else 0)
         version = _array(request, "lora_version")
-        outputs = {"text_output": lambda: np.array([[text.encode("utf-8")]], dtype=np.object_),
-                   "lora_version_out": lambda: version.reshape(1, 1).astype(np.object_),
-                   **{f"{name}_out": (lambda name=name, default=default: _passed_on(request, name, default))
-                      for name, default in PASSED_ON.items()}}
-        # only the requested ones: the stub would drop the others without the GIL (response_tensors.py)
+        arrays = {"text_output": np.array([[text.encode("utf-8")]], dtype=np.object_),
+                  "lora_version_out": version.reshape(1, 1).astype(np.object_),
+                  **{f"{name}_out": _passed_on(request, name, default) for name, default in PASSED_ON.items()}}
+        # tensors only for the requested ones: the stub would drop the others without the GIL (response_tensors.py)
         requested = frozenset(request.requested_output_names())
         return pb_utils.InferenceResponse(output_tensors=[
-            pb_utils.Tensor(name, build()) for name, build in outputs.items() if is_requested(name, requested)])
+            pb_utils.Tensor(name, array) for name, array in arrays.items() if is_requested(name, requested)])
 
     @staticmethod
     def _cancel(key: bytes) -> None:
