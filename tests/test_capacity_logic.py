@@ -353,6 +353,22 @@ def test_merging_stores_of_calls_on_several_machines(tmp_path, rng):
         merge_stores([tmp_path / "a.json", tmp_path / "d.json"], tmp_path)
 
 
+def test_a_merged_header_keeps_the_versions_every_call_saw(tmp_path, rng):
+    """A server call saw tritonserver, a later vLLM call ran where it is not installed: the merge keeps both."""
+    config = {"shape": "tiny"}
+    server, peer = f"2.{rng.integers(40, 60)}.0", f"0.{rng.integers(20, 30)}.0"
+    calls = (("a.json", "2026-12-07T06:07:35", {"torch": "2.11.0", "tritonserver": server}),
+             ("b.json", "2026-12-07T06:16:20", {"torch": "2.11.0", "tritonserver": "not installed", "vllm": peer}))
+    for name, date, versions in calls:
+        store = Store(tmp_path / name, config)
+        store.data["calls"].append({"date": date, "command": name})
+        store.data["header"] = {"command": name, "versions": versions}
+        store.save()
+    merged = merge_stores([tmp_path / "b.json", tmp_path / "a.json"], tmp_path / "m")
+    assert merged.data["header"]["command"] == "b.json"  # the latest call's header
+    assert merged.data["header"]["versions"] == {"torch": "2.11.0", "tritonserver": server, "vllm": peer}
+
+
 def test_each_ratio_is_against_the_engine_of_its_own_call(tmp_path, rng):
     """Two calls each ran the engine (at different speeds) and a target: each target is rated against its own
     call's engine, also after the stores of both calls are merged; a call without an engine run at that count

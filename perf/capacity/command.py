@@ -53,7 +53,7 @@ from perf.capacity.prepare import CheckpointSpec, PreparedCheckpoint, package_ve
 from perf.capacity.report import build_summary, label, markdown, plot_sweeps, short_table
 from perf.capacity.requests import CapacityRequest, build_requests
 from perf.capacity.runs import Budget, SweepConfig, log
-from perf.capacity.store import Store, fingerprint, merge_stores
+from perf.capacity.store import NOT_INSTALLED, Store, fingerprint, merge_stores
 
 REPO = Path(__file__).resolve().parents[2]
 PACKED = "runs_and_logs.tar.gz"  # runs/ and logs/ of a call whose output folder is $OUT
@@ -97,7 +97,7 @@ class Call:
     @staticmethod
     def _pytriton_version() -> str:
         v = package_versions(("nvidia-pytriton",)).get("nvidia-pytriton")
-        return f"from nvidia-pytriton {v}" if v else "not installed"
+        return f"from nvidia-pytriton {v}" if v else NOT_INSTALLED
 
     def setup(self) -> None:
         cfg = self.cfg

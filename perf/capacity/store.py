@@ -13,6 +13,8 @@ import json
 import re
 from pathlib import Path
 
+NOT_INSTALLED = "not installed"  # a package version the call could not find
+
 
 def fingerprint(config: dict) -> str:
     return hashlib.sha1(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
@@ -109,8 +111,11 @@ class Store:
             moved = {**server, "call": mapping.get(server["call"])}
             if (moved["call"], moved.get("ready_s")) not in servers:
                 self.data["servers"].append(moved)
-        if other.get("header"):
-            self.data["header"] = other["header"]
+        if other.get("header"):  # the later call's header, with the versions every call saw
+            seen = self.data.get("header", {}).get("versions", {})
+            later = other["header"].get("versions", {})
+            versions = {**seen, **{k: v for k, v in later.items() if k not in seen or v != NOT_INSTALLED}}
+            self.data["header"] = {**other["header"], "versions": versions}
 
 
 def merge_stores(paths: list[Path], out: Path) -> Store:
