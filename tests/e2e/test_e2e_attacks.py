@@ -15,94 +15,16 @@ import random
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from grpc_streams import grpc_input, stream_error, stream_output_names
+from attack_tools import ADMIN, PROMPTS, Attack, Tools, as_ints, as_one, as_text, metric_sum, refused
+from grpc_streams import grpc_input, stream_output_names
 
 pytestmark = pytest.mark.e2e
-
-PROMPTS = ("In the morning the baker", "The river runs by")
-ADMIN = "manylora-admin-key"
-
-
-@dataclass(frozen=True)
-class Attack:
-    name: str
-    kind: str  # the class of attack
-    run: Callable  # (server, tools) -> outcome text; asserts what the attack must get
-
-
-class Tools:
-    """What the attacks use: raw HTTP, raw gRPC streams, the engine's counters."""
-
-    def __init__(self, server, tokenizer) -> None:
-        self.server = server
-        self.client = server.client()
-        self.tokenizer = tokenizer
-
-    def ids(self, text: str = PROMPTS[0]) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=True).ids
-
-    def http(self, path: str, body: bytes | dict | None = None, headers: dict | None = None,
-             method: str = "POST", timeout: float = 60) -> tuple[int, str]:
-        data = json.dumps(body).encode() if isinstance(body, dict) else body
-        request = urllib.request.Request(f"http://{self.server.http_url}{path}", data=data, method=method,
-                                         headers={"Content-Type": "application/json", **(headers or {})})
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as reply:
-                return reply.status, reply.read().decode("utf-8", "replace")
-        except urllib.error.HTTPError as e:
-            return e.code, e.read().decode("utf-8", "replace")
-
-    def generate(self, body: dict) -> tuple[int, str]:
-        return self.http("/v2/models/llm/generate", body)
-
-    def error(self, status_body: tuple[int, str]) -> str:
-        status, body = status_body
-        assert status == 400, (status, body)
-        return json.loads(body)["error"]
-
-    def stream_error(self, model: str, inputs: dict[str, np.ndarray], parameters: dict | None = None) -> str | None:
-        return stream_error(self.server, model, [grpc_input(name, array) for name, array in inputs.items()], parameters)
-
-    def in_flight(self) -> int:
-        stats = self.client.stats()
-        return stats["running"] + stats["waiting"]
-
-    def settles(self, within: float) -> float:
-        """Seconds until the engine holds no request; fails after ``within``."""
-        start = time.monotonic()
-        while self.in_flight():
-            assert time.monotonic() - start < within, f"requests still in the engine after {within} s"
-            time.sleep(0.02)
-        return time.monotonic() - start
-
-
-def _text(text: str | bytes) -> np.ndarray:
-    return np.array([[text.encode() if isinstance(text, str) else text]], dtype=np.object_)
-
-
-def _ints(values: list[int]) -> np.ndarray:
-    return np.array([values], dtype=np.int32)
-
-
-def _one(value, dtype) -> np.ndarray:
-    return np.array([[value]], dtype=dtype)
-
-
-def _refused(message: str | None, *words: str) -> str:
-    assert message, "no error"
-    for word in words:
-        assert word in message, f"{message!r} does not name {word!r}"
-    assert len(message) < 2000
-    return f"refused: {message[:110]}"
 
 
 # -------------------------------------------------------------------------------- engine state
@@ -124,28 +46,28 @@ def _sampling_value(field: str, value, ok: bool, *words: str):
         if ok:
             assert status == 200, text
             return f"served ({field}={value})"
-        return _refused(t.error((status, text)), *words)
+        return refused(t.error((status, text)), *words)
     return attack
 
 
 def _grpc_float(field: str, value: float, *words: str):
     def attack(s, t: Tools) -> str:
-        message = t.stream_error("generator", {"input_ids": _ints(t.ids()), "max_tokens": _one(4, np.int32),
-                                               field: _one(value, np.float32)})
-        return _refused(message, *words)
+        message = t.stream_error("generator", {"input_ids": as_ints(t.ids()), "max_tokens": as_one(4, np.int32),
+                                               field: as_one(value, np.float32)})
+        return refused(message, *words)
     return attack
 
 
 def _generator_prompt(ids_of: Callable[[Tools], list[int]], *words: str):
     def attack(s, t: Tools) -> str:
-        return _refused(t.stream_error("generator", {"input_ids": _ints(ids_of(t)),
-                                                     "max_tokens": _one(4, np.int32)}), *words)
+        return refused(t.stream_error("generator", {"input_ids": as_ints(ids_of(t)),
+                                                     "max_tokens": as_one(4, np.int32)}), *words)
     return attack
 
 
 def _max_tokens(value: int, *words: str):
     def attack(s, t: Tools) -> str:
-        return _refused(t.error(t.generate({"text_input": PROMPTS[0], "max_tokens": value})), *words)
+        return refused(t.error(t.generate({"text_input": PROMPTS[0], "max_tokens": value})), *words)
     return attack
 
 
@@ -157,11 +79,11 @@ def _abandoned_streams(model: str, n: int):
             grpc = grpcclient.InferenceServerClient(s.grpc_url)
             grpc.start_stream(callback=lambda result, error: None)
             if model == "llm":
-                inputs = {"text_input": _text(PROMPTS[i % 2]), "max_tokens": _one(200, np.int32),
-                          "stream": _one(True, np.bool_)}
+                inputs = {"text_input": as_text(PROMPTS[i % 2]), "max_tokens": as_one(200, np.int32),
+                          "stream": as_one(True, np.bool_)}
             else:
-                inputs = {"input_ids": _ints(t.ids()), "max_tokens": _one(200, np.int32),
-                          "stream": _one(True, np.bool_), "ignore_eos": _one(True, np.bool_)}
+                inputs = {"input_ids": as_ints(t.ids()), "max_tokens": as_one(200, np.int32),
+                          "stream": as_one(True, np.bool_), "ignore_eos": as_one(True, np.bool_)}
             grpc.async_stream_infer(model, [grpc_input(k, v) for k, v in inputs.items()],
                                     parameters={"sampling_parameters": json.dumps({"ignore_eos": True})}
                                     if model == "llm" else None)
@@ -223,7 +145,8 @@ def _big_prompt(megabytes: int, over_grpc: bool):
         text = "the baker opens the shop " * (megabytes * (1 << 20) // 25)
         with ThreadPoolExecutor(4) as pool:
             if over_grpc:
-                big = pool.submit(t.stream_error, "llm", {"text_input": _text(text), "max_tokens": _one(4, np.int32)})
+                inputs = {"text_input": as_text(text), "max_tokens": as_one(4, np.int32)}
+                big = pool.submit(t.stream_error, "llm", inputs)
             else:
                 big = pool.submit(t.generate, {"text_input": text, "max_tokens": 4})
             time.sleep(0.05)
@@ -233,32 +156,32 @@ def _big_prompt(megabytes: int, over_grpc: bool):
             outcome = big.result()
         message = outcome if over_grpc else t.error(outcome)
         assert other < 2.0, f"another request waited {other:.1f} s behind the big prompt"
-        return _refused(message, "too long", "max_model_len") + f" (another request meanwhile: {other:.2f} s)"
+        return refused(message, "too long", "max_model_len") + f" (another request meanwhile: {other:.2f} s)"
     return attack
 
 
 def _long_prompt_under_the_byte_bound(s, t: Tools) -> str:
     # enough text to be counted in pieces, too many tokens for the context, far fewer bytes than the bound
     text = " ".join(random.Random(1).choice(["baker", "river", "mill", "shop"]) for _ in range(20_000))
-    return _refused(t.error(t.generate({"text_input": text, "max_tokens": 4})), "too long")
+    return refused(t.error(t.generate({"text_input": text, "max_tokens": 4})), "too long")
 
 
 def _text_input_value(value, *words: str):
     def attack(s, t: Tools) -> str:
-        return _refused(t.stream_error("llm", {"text_input": value, "max_tokens": _one(4, np.int32)}), *words)
+        return refused(t.stream_error("llm", {"text_input": value, "max_tokens": as_one(4, np.int32)}), *words)
     return attack
 
 
 def _stop_strings(array: np.ndarray, *words: str):
     def attack(s, t: Tools) -> str:
-        return _refused(t.stream_error("generator", {"input_ids": _ints(t.ids()), "max_tokens": _one(4, np.int32),
+        return refused(t.stream_error("generator", {"input_ids": as_ints(t.ids()), "max_tokens": as_one(4, np.int32),
                                                      "stop": array}), *words)
     return attack
 
 
 def _control(command: bytes, *words: str):
     def attack(s, t: Tools) -> str:
-        return _refused(t.stream_error("generator", {"control": _text(command)}), *words)
+        return refused(t.stream_error("generator", {"control": as_text(command)}), *words)
     return attack
 
 
@@ -307,7 +230,7 @@ def _listing_has_no_paths(s, t: Tools) -> str:
 # -------------------------------------------------------------------------------- silent fallbacks
 def _unknown_key(body: dict, *words: str):
     def attack(s, t: Tools) -> str:
-        return _refused(t.error(t.generate({"text_input": PROMPTS[0], "max_tokens": 4, **body})), *words)
+        return refused(t.error(t.generate({"text_input": PROMPTS[0], "max_tokens": 4, **body})), *words)
     return attack
 
 
@@ -321,14 +244,14 @@ def _sampling_parameters_understood(s, t: Tools) -> str:
 
 
 def _grpc_parameter(s, t: Tools) -> str:
-    message = t.stream_error("llm", {"text_input": _text(PROMPTS[0]), "max_tokens": _one(4, np.int32)},
+    message = t.stream_error("llm", {"text_input": as_text(PROMPTS[0]), "max_tokens": as_one(4, np.int32)},
                              parameters={"lora_nme": "shout"})
-    return _refused(message, "unknown parameter", "lora_nme")
+    return refused(message, "unknown parameter", "lora_nme")
 
 
 def _runtime_update_off(s, t: Tools) -> str:
     command = json.dumps({"op": "load_adapter", "name": "mine", "path": "/etc"}).encode()
-    return _refused(t.stream_error("generator", {"control": _text(command)}), "runtime adapter updates are off")
+    return refused(t.stream_error("generator", {"control": as_text(command)}), "runtime adapter updates are off")
 
 
 def _forged_cancel(s, t: Tools) -> str:
@@ -336,7 +259,7 @@ def _forged_cancel(s, t: Tools) -> str:
         runs = [pool.submit(t.generate, {"text_input": PROMPTS[0], "max_tokens": 30}) for _ in range(4)]
         for _ in range(20):
             key = "".join(random.choice("abcdefghijklmnopqrstuvwxyz0123456789_-") for _ in range(32))
-            assert t.stream_error("generator", {"control": _text(json.dumps({"op": "cancel", "key": key}))}) is None
+            assert t.stream_error("generator", {"control": as_text(json.dumps({"op": "cancel", "key": key}))}) is None
         results = [f.result() for f in runs]
     assert all(status == 200 for status, _ in results) and len({text for _, text in results}) == 1
     return "20 guessed keys cancelled nothing"
@@ -344,7 +267,7 @@ def _forged_cancel(s, t: Tools) -> str:
 
 def _cancel_answer_has_no_tensors(s, t: Tools) -> str:
     """postprocessing sends cancels through BLS, whose response tensors the 2.51 stub builds without the GIL."""
-    cancel = {"control": _text(json.dumps({"op": "cancel", "key": "k" * 32}))}
+    cancel = {"control": as_text(json.dumps({"op": "cancel", "key": "k" * 32}))}
     assert stream_output_names(s, "generator", cancel, ["control_output"]) == []
     return "the final flag alone"
 
@@ -353,8 +276,8 @@ def _keepalive_without_its_key(s, t: Tools) -> str:
     """A direct generator request that sets keepalive (as preprocessing does) but asks for output_ids alone: its
     request_key, were it built, would be dropped by the stub without the GIL. The stub prunes what the client sees
     either way, so this checks the server through it; tests/test_stub_responses.py checks what the model builds."""
-    inputs = {"input_ids": _ints(t.ids()), "max_tokens": _one(24, np.int32), "keepalive": _one(True, np.bool_),
-              "stream": _one(True, np.bool_), "ignore_eos": _one(True, np.bool_)}
+    inputs = {"input_ids": as_ints(t.ids()), "max_tokens": as_one(24, np.int32), "keepalive": as_one(True, np.bool_),
+              "stream": as_one(True, np.bool_), "ignore_eos": as_one(True, np.bool_)}
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda _: stream_output_names(s, "generator", inputs, ["output_ids"]), range(16)))
     assert all(a and all(names == {"output_ids"} for names in a) for a in answers), answers[:2]
@@ -367,8 +290,8 @@ def _postprocessing_one_output(s, t: Tools) -> str:
     client sees either way, so this checks the server through it; tests/test_stub_responses.py checks what the model
     builds."""
     ids = t.ids()
-    step = {"request_key": _text("k"), "output_ids": _ints(ids[1:]), "context_ids": _ints(ids[:1]),
-            "strip_chars": _ints([0]), "lora_version": _text("")}
+    step = {"request_key": as_text("k"), "output_ids": as_ints(ids[1:]), "context_ids": as_ints(ids[:1]),
+            "strip_chars": as_ints([0]), "lora_version": as_text("")}
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda _: stream_output_names(s, "postprocessing", step, ["text_output"]),
                                 range(64)))
@@ -422,10 +345,10 @@ ATTACKS = [
     Attack("1 MB prompt over HTTP", "limits", _big_prompt(1, over_grpc=False)),
     Attack("20 MB prompt over gRPC", "limits", _big_prompt(20, over_grpc=True)),
     Attack("too many tokens under the byte bound", "limits", _long_prompt_under_the_byte_bound),
-    Attack("invalid UTF-8 text_input", "limits", _text_input_value(_text(b"\xff\xfe caf\xc3"), "UTF-8")),
-    Attack("empty text_input", "limits", _text_input_value(_text(b""), "empty")),
+    Attack("invalid UTF-8 text_input", "limits", _text_input_value(as_text(b"\xff\xfe caf\xc3"), "UTF-8")),
+    Attack("empty text_input", "limits", _text_input_value(as_text(b""), "empty")),
     Attack("500 stop strings", "limits", _stop_strings(np.array([[b"x"] * 500], np.object_), "stop")),
-    Attack("a 10,000-character stop string", "limits", _stop_strings(_text("y" * 10_000), "stop")),
+    Attack("a 10,000-character stop string", "limits", _stop_strings(as_text("y" * 10_000), "stop")),
     Attack("a 10,000-character lora_name", "limits", _unknown_key({"lora_name": "a" * 10_000}, "lora_name")),
     Attack("1 MB control request", "limits", _control(b"{" + b" " * (1 << 20) + b"}", "control")),
     Attack("control that is not JSON", "limits", _control(b"{not json", "control")),
@@ -452,16 +375,16 @@ ATTACKS = [
     Attack("sampling_parameters not JSON", "fallback", _unknown_key({"sampling_parameters": "{oops"},
                                                                     "sampling_parameters")),
     Attack("sampling_parameters max_tokens 2^40", "fallback",
-           lambda s, t: _refused(t.error(t.generate({"text_input": PROMPTS[0], "sampling_parameters": json.dumps(
+           lambda s, t: refused(t.error(t.generate({"text_input": PROMPTS[0], "sampling_parameters": json.dumps(
                {"max_tokens": 2**40})})), "max_tokens must be in")),
     Attack("max_tokens twice", "fallback", _unknown_key({"sampling_parameters": json.dumps({"max_tokens": 3})},
                                                         "given twice")),
     Attack("blank lora_name", "fallback", _unknown_key({"lora_name": "  "}, "blank")),
     Attack("unknown adapter", "fallback", _unknown_key({"lora_name": "no-such"}, "unknown adapter")),
     Attack("missing text_input", "fallback",
-           lambda s, t: _refused(t.error(t.generate({"max_tokens": 16, "lora_name": "x"})), "text_input")),
+           lambda s, t: refused(t.error(t.generate({"max_tokens": 16, "lora_name": "x"})), "text_input")),
     Attack("missing max_tokens", "fallback",
-           lambda s, t: _refused(t.error(t.generate({"text_input": PROMPTS[0]})), "max_tokens")),
+           lambda s, t: refused(t.error(t.generate({"text_input": PROMPTS[0]})), "max_tokens")),
     Attack("truncated JSON body", "fallback", _bad_json),
     Attack("max_tokens as a string", "fallback", _wrong_type),
     Attack("two prompts in one request", "fallback", _two_prompts),
@@ -476,48 +399,23 @@ def tools(server, tokenizer):
 @pytest.fixture(scope="module")
 def baselines(server, tools):
     """Greedy text and adapter version of every (prompt, adapter) pair, before any attack."""
-    return _baselines(server, tools)
-
-
-def _baselines(server, tools: Tools) -> dict:
-    out = {}
-    for prompt in PROMPTS:
-        for adapter in [None, *sorted(server.catalogue)]:
-            body = {"text_input": prompt, "max_tokens": 12, **({"lora_name": adapter} if adapter else {})}
-            status, text = tools.generate(body)
-            assert status == 200, text
-            reply = json.loads(text)
-            out[(prompt, adapter)] = (reply["text_output"], reply["lora_version"])
-    return out
-
-
-def _stubs(server) -> set[int]:
-    found = subprocess.run(["pgrep", "-P", str(server.process.pid)], capture_output=True, text=True).stdout
-    return {int(pid) for pid in found.split()}
+    return tools.baselines()
 
 
 @pytest.mark.parametrize("attack", ATTACKS, ids=[a.name for a in ATTACKS])
 def test_attack_fails_alone_and_harms_no_one(attack, server, tools, baselines):
-    stubs = _stubs(server)
+    stubs = tools.stub_pids()
     outcome = attack.run(server, tools)
     print(f"| {attack.kind} | {attack.name} | {outcome} |")
     assert server.ready(), f"server not ready after {attack.name}"
-    assert _stubs(server) == stubs, f"a stub restarted after {attack.name}"
+    assert tools.stub_pids() == stubs, f"a stub restarted after {attack.name}"
     tools.settles(within=5.0)
-    assert _baselines(server, tools) == baselines, f"baselines changed after {attack.name}"
+    assert tools.baselines() == baselines, f"baselines changed after {attack.name}"
 
 
 def test_there_are_at_least_forty_attacks_in_every_class():
     kinds = {a.kind for a in ATTACKS}
     assert len(ATTACKS) >= 40 and kinds == {"engine", "abandon", "limits", "endpoints", "fallback"}
-
-
-def _metric_sum(text: str, family: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(family + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def test_one_count_of_errors_and_tokens(server, tools):
@@ -527,16 +425,16 @@ def test_one_count_of_errors_and_tokens(server, tools):
         time.sleep(1.2)  # the metrics are flushed every 0.5 s
         metrics = server.metrics()
         stats = tools.client.stats()
-        return (stats["errors"], stats["tokens_out"], _metric_sum(metrics, "manylora_request_errors_total"),
-                _metric_sum(metrics, "manylora_output_tokens_total"),
-                _metric_sum(metrics, "nv_inference_request_failure", model="llm"))
+        return (stats["errors"], stats["tokens_out"], metric_sum(metrics, "manylora_request_errors_total"),
+                metric_sum(metrics, "manylora_output_tokens_total"),
+                metric_sum(metrics, "nv_inference_request_failure", model="llm"))
 
     before = snapshot()
     failing = [{"lora_name": "nope"}, {"max_tokens": -1}, {"top_p": 5}, {"bogus": 1}, {"max_tokens": 4000},
                {"text_input": ""}, {"lora_name": " "}]
     for change in failing:
         assert tools.generate({"text_input": PROMPTS[0], "max_tokens": 4, **change})[0] == 400
-    assert tools.stream_error("generator", {"input_ids": _ints([0, 2**31 - 1]), "max_tokens": _one(4, np.int32)})
+    assert tools.stream_error("generator", {"input_ids": as_ints([0, 2**31 - 1]), "max_tokens": as_one(4, np.int32)})
     served = [json.loads(tools.generate({"text_input": p, "max_tokens": 9})[1]) for p in PROMPTS]
     after = snapshot()
     errors, tokens, metric_errors, metric_tokens, triton_llm = (a - b for a, b in zip(after, before, strict=True))
