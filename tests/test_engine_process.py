@@ -216,6 +216,25 @@ def test_a_dead_child_fails_what_is_in_flight_and_refuses_more(model):
     process.shutdown()
 
 
+def test_an_exit_that_stalls_writes_the_stacks_and_ends():
+    """The engine child's exit watchdog: a process whose exit waits for a thread that never ends (as a stuck
+    shutdown would) writes that thread's stack to stderr and exits with code 1 once the watchdog's time is up."""
+    code = """
+import threading
+from manylora.engine.scheduling.engine_process import arm_exit_watchdog
+
+def waits_for_ever():
+    threading.Event().wait()
+
+threading.Thread(target=waits_for_ever, name="stuck").start()  # not a daemon: the interpreter's exit waits for it
+arm_exit_watchdog(1.0)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "waits_for_ever" in done.stderr
+
+
 def test_the_parent_side_needs_no_torch(model):
     """The Triton stub holds only the parent side: it imports neither torch nor the engine."""
     base, _, catalogue = model
@@ -232,3 +251,4 @@ p.shutdown()
                           cwd=os.path.dirname(os.path.dirname(__file__)))
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "cpu"
+    assert "engine stopped in" in done.stderr and "on shutdown" not in done.stderr  # a clean exit, code 0

@@ -245,6 +245,8 @@ class Engine:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("the engine loop did not stop within %.0f s of the shutdown", timeout)
         self.adapters.host.shutdown()
         self.adapters.gpu.shutdown()
         if self.tp is not None:

@@ -32,6 +32,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,6 +51,9 @@ CANCEL_POLL_S = 0.25  # how often the requests' cancellation flags are read here
 HOST_CHECK_S = 1.0  # how often the child looks whether its parent's host is still there
 CALL_TIMEOUT_S = 300.0  # stats / adapter calls into the child (an adapter load reads and hashes files)
 SHUTDOWN_TIMEOUT_S = 30.0
+# from the child's shutdown to its exit at most: past it, every thread's stack goes to the log and the child exits
+# (code 1) on its own, before the parent's SHUTDOWN_TIMEOUT_S would kill it with nothing said
+EXIT_WATCHDOG_S = 20.0
 OBSERVER_EVENTS = ("request_arrived", "request_failed", "first_token", "request_finished", "adapter_loaded")
 
 
@@ -154,6 +158,9 @@ class EngineProcess:
             log.warning("the engine process did not stop within %.0f s; killing it", timeout)
             self._process.kill()
             self._process.join(5)
+        elif self._process.exitcode:
+            log.warning("the engine process exited with code %s on shutdown (a stall in its exit writes its "
+                        "threads' stacks above)", self._process.exitcode)
         self._receiver.join(5)
         self._delivery.close()
 
@@ -353,9 +360,18 @@ def run_engine(launch: EngineLaunch, conn) -> None:
     try:
         _serve(engine, outbox, conn)
     finally:
+        arm_exit_watchdog(EXIT_WATCHDOG_S)
+        started = time.monotonic()
         engine.shutdown()
         with contextlib.suppress(OSError, ValueError):
             outbox.flush()
+        log.info("engine stopped in %.1f s", time.monotonic() - started)
+
+
+def arm_exit_watchdog(seconds: float) -> None:
+    """If this process is still here after ``seconds`` (an engine shutdown, a thread or a child process it waits
+    for, the interpreter's own exit), write every thread's stack to stderr (the server's log) and exit with code 1."""
+    faulthandler.dump_traceback_later(seconds, exit=True)
 
 
 def _parent_of(pid: int) -> int | None:
