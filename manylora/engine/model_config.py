@@ -185,3 +185,14 @@ def _moe_fields(cfg: dict, arch: str, source: str) -> dict:
             f"expert intermediate size {inter}")
     return {"num_experts": int(experts) if sparse else 0, "num_experts_per_tok": int(top_k) if sparse else 0,
             "moe_intermediate_size": inter if sparse else 0, "norm_topk_prob": norm_topk, "sparse_layers": sparse}
+
+
+def eos_token_ids(model_dir: str | Path, cfg: ModelConfig) -> frozenset[int]:
+    """EOS ids from generation_config.json (which wins, as in transformers) or config.json."""
+    ids = set(cfg.eos_token_ids)
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            ids = set(eos) if isinstance(eos, list) else {eos}
+    return frozenset(int(i) for i in ids)

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import queue
 import random
@@ -16,7 +15,6 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
@@ -28,13 +26,14 @@ from manylora.engine.config import EngineConfig
 from manylora.engine.devices import resolve_device, resolve_kernels
 from manylora.engine.errors import ErrorCode, RequestError
 from manylora.engine.execution.step_builder import StepLists
-from manylora.engine.model_config import ModelConfig
+from manylora.engine.model_config import ModelConfig, eos_token_ids
 from manylora.engine.models.loader import resolve_dtype
 from manylora.engine.requests.checks import check_request
 from manylora.engine.requests.detokenize import IncrementalDecoder, load_tokenizer
 from manylora.engine.requests.sampling import is_greedy, make_generator, sample_next
 from manylora.engine.requests.types import EmitFn, GenerationOutput, GenerationRequest
 from manylora.engine.scheduling.assembly import assemble
+from manylora.engine.scheduling.engine_stats import engine_stats
 from manylora.engine.scheduling.observer import EngineObserver, NullObserver
 from manylora.engine.scheduling.scheduler import ScheduledChunk
 from manylora.engine.scheduling.sequence import Sequence, Status
@@ -46,27 +45,6 @@ PREFETCH_LOOKAHEAD = 64  # waiting requests whose adapters are loaded ahead
 # how often cancellation flags are read and heartbeats sent; each read of a Triton response sender's flag is a round
 # trip to the server process, so not every step
 CANCEL_POLL_S = 0.2
-
-
-def eos_token_ids(model_dir: str, cfg: ModelConfig) -> frozenset[int]:
-    """EOS ids from generation_config.json (which wins, as in transformers) or config.json."""
-    ids = set(cfg.eos_token_ids)
-    gen = Path(model_dir) / "generation_config.json"
-    if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        if eos is not None:
-            ids = set(eos) if isinstance(eos, list) else {eos}
-    return frozenset(int(i) for i in ids)
-
-
-def _per_adapter(sequences) -> dict[str, int]:
-    """Requests per adapter name among ``sequences`` (base-model requests left out)."""
-    counts: dict[str, int] = {}
-    for seq in sequences:
-        name = seq.adapter
-        if name:
-            counts[name] = counts.get(name, 0) + 1
-    return counts
 
 
 class Engine:
@@ -199,41 +177,8 @@ class Engine:
     def stats(self) -> dict:
         """Counters and pool state; safe from any thread (taken between two loop iterations)."""
         with self._state_lock.reading():
-            return self._stats()
-
-    def _stats(self) -> dict:
-        return {
-            **self._counters,
-            "errors": self._counters["errors"] + self._refused,
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting) + self._inbox.qsize(),
-            # requests per adapter name, for routers (the base model's are not listed): those in the running batch
-            # and those queued (a request submitted since the last loop iteration is counted from the next)
-            "running_adapters": _per_adapter(self.scheduler.running),
-            "waiting_adapters": _per_adapter(self.scheduler.waiting),
-            "max_loras": self.config.max_loras,
-            "max_num_seqs": self.config.max_num_seqs,
-            "page_size": self.kv.page_size,
-            "preemptions": self.scheduler.num_preemptions,
-            "adapters_registered": len(self.catalogue),
-            "adapters_refused": len(self.catalogue.refused()),
-            **self.adapters.stats(),
-            "device": self.device,
-            "dtype": str(self.dtype).replace("torch.", ""),
-            "max_model_len": self.max_len,
-            "tensor_parallel_size": self.config.tensor_parallel_size,
-            "adapter_load_processes": self.load_processes,
-            **self._graph_stats(),
-        }
-
-    def _graph_stats(self) -> dict:
-        """Steps replayed from CUDA graphs (decode, mixed) and run eagerly, and the mixed-step buckets captured
-        (empty where mixed steps run eagerly: no graphs on this device, or their capture ran out of memory)."""
-        decode = sum(self.graphs.replays.values()) if self.graphs is not None else 0
-        mixed = sum(self.mixed_graphs.replays.values()) if self.mixed_graphs is not None else 0
-        return {"steps_decode_graph": decode, "steps_mixed_graph": mixed,
-                "steps_eager": self._counters["steps"] - decode - mixed,
-                "mixed_step_buckets": list(self.mixed_graphs.buckets) if self.mixed_graphs is not None else []}
+            counters = {**self._counters, "errors": self._counters["errors"] + self._refused}
+            return engine_stats(self, counters, not_yet_queued=self._inbox.qsize())
 
     def start(self) -> None:
         """Start the step loop (an engine made with start=False; a no-op once running)."""
