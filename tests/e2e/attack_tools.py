@@ -71,6 +71,21 @@ class Tools:
             time.sleep(0.02)
         return time.monotonic() - start
 
+    def counts(self) -> tuple[int, int, int]:
+        """The engine's finished requests, failed requests (a cancelled one among them) and output tokens."""
+        stats = self.client.stats()
+        return stats["finished"], stats["errors"], stats["tokens_out"]
+
+    def abandoned(self, before: tuple[int, int, int], n: int, within: float = 5.0) -> str:
+        """After the client of ``n`` requests (``ignore_eos``) left: the engine empties, and each of them ended
+        cancelled, none ran on to its ``max_tokens`` (``before``: ``counts()`` before they came). The time bound
+        only catches a stop that never comes: idle, the engine is empty in about 0.25 s (one cancellation poll);
+        a loaded test machine takes longer, and so does the requests' generation."""
+        seconds = self.settles(within)
+        finished, errors, tokens = (a - b for a, b in zip(self.counts(), before, strict=True))
+        assert (finished, errors) == (0, n), f"of {n} abandoned requests {finished} ran to their end, {errors} ended"
+        return f"engine empty after {seconds:.2f} s, {tokens} tokens made"
+
     def baselines(self) -> dict:
         """Greedy text and adapter version of every (prompt, adapter) pair through the llm ensemble."""
         out = {}

@@ -74,7 +74,7 @@ def _max_tokens(value: int, *words: str):
 # -------------------------------------------------------------------------------- abandoned requests
 def _abandoned_streams(model: str, n: int):
     def attack(s, t: Tools) -> str:
-        clients = []
+        clients, before = [], t.counts()
         for i in range(n):
             grpc = grpcclient.InferenceServerClient(s.grpc_url)
             grpc.start_stream(callback=lambda result, error: None)
@@ -94,10 +94,10 @@ def _abandoned_streams(model: str, n: int):
         assert t.in_flight(), "the requests never started"
         for grpc in clients:
             grpc.stop_stream(cancel_requests=True)
-        seconds = t.settles(within=1.0)
+        outcome = t.abandoned(before, n)
         for grpc in clients:
             grpc.close()
-        return f"{n} streams cancelled: engine empty after {seconds:.2f} s"
+        return f"{n} streams cancelled: {outcome}"
     return attack
 
 
@@ -112,6 +112,7 @@ def _killed_client(s, t: Tools) -> str:
         "        t('max_tokens', np.array([[200]], np.int32), 'INT32'), t('stream', np.array([[True]]), 'BOOL')],\n"
         "        parameters={'sampling_parameters': json.dumps({'ignore_eos': True})})\n"
         "print('sent', flush=True); time.sleep(60)\n")
+    before = t.counts()
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "sent"
@@ -122,12 +123,13 @@ def _killed_client(s, t: Tools) -> str:
     finally:
         child.kill()
         child.wait()
-    return f"client killed mid-stream: engine empty after {t.settles(within=1.0):.2f} s"
+    return f"client killed mid-stream: {t.abandoned(before, 8)}"
 
 
 def _closed_http_stream(s, t: Tools) -> str:
     body = json.dumps({"text_input": PROMPTS[0], "max_tokens": 200, "stream": True,
                        "sampling_parameters": json.dumps({"ignore_eos": True})})
+    before = t.counts()
     curl = subprocess.Popen(["curl", "-s", "-N", "-H", "Content-Type: application/json",
                              f"http://{s.http_url}/v2/models/llm/generate_stream", "-d", body],
                             stdout=subprocess.PIPE)
@@ -136,7 +138,7 @@ def _closed_http_stream(s, t: Tools) -> str:
     finally:
         curl.kill()
         curl.wait()
-    return f"HTTP stream closed: engine empty after {t.settles(within=1.0):.2f} s"
+    return f"HTTP stream closed: {t.abandoned(before, 1)}"
 
 
 # -------------------------------------------------------------------------------- limits at the door
