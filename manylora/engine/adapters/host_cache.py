@@ -17,7 +17,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 
 import torch
 
@@ -129,6 +129,10 @@ class HostAdapterCache:
                                               self.max_rank, self.rehash, self.shard)
             else:
                 packed = self._load_here(spec)
+        except CancelledError:  # the loaders stopped (shutdown, or a broken pool replaced): a later lookup reloads
+            with self._lock:
+                self._loading.pop(key, None)
+            return
         except AdapterError as e:
             log.error("%s", e)
             with self._lock:

@@ -11,11 +11,19 @@ directory when that has no room) and returns its path and the small offset table
 engine's process maps the file (copy-on-write, no copy), unlinks it and holds the mapping as
 the packed adapter's ``data``: the 84 MB of a rank-16 Llama-3-8B adapter are never pickled or
 copied between processes. The engine's thread only waits on a future, which releases the GIL.
+
+Stopping: ``shutdown`` cancels the queued loads and waits (at most STOP_TIMEOUT_S, then kills the
+children) until the children have finished the loads they hold and exited. It must wait: a spawned
+process (the engine's, a tensor-parallel rank) ends by running its multiprocessing finalizers, which
+close the pool's queue to the children, and only then joins the children; a pool left to stop by
+itself loses its stop messages to the closed queue, and the exit waits on the children for ever. A
+child whose parent died without stopping it (killed) removes its files no one mapped and exits.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import shutil
 import tempfile
@@ -38,9 +46,11 @@ from manylora.engine.model_config import ModelConfig
 from manylora.engine.processes import spawn_context
 
 LOAD_TIMEOUT_S = 300.0  # a load by a child that takes longer is given up: the pool is replaced, the adapter loaded here
+STOP_TIMEOUT_S = 10.0  # at shutdown, the children's loads in hand finish within this, else the children are killed
 log = logging.getLogger("manylora.adapter_process_loader")
 
 SHM_DIR = "/dev/shm"
+FILE_PREFIX = "manylora-adapter-"  # a child's packed file: FILE_PREFIX + its pid + "-" + a random hex
 SHM_MIN_FREE_BYTES = 4 << 30  # below this much free shared memory, pack into the temp directory
 
 
@@ -82,8 +92,28 @@ def choose_directory() -> str:
     return tempfile.gettempdir()
 
 
-def _child_init() -> None:
+def _child_init(directory: str) -> None:
     torch.set_num_threads(1)  # packing is copies; one thread per process, the processes in parallel
+    threading.Thread(target=_exit_with_parent, args=(directory,), name="manylora-loader-parent-watch",
+                     daemon=True).start()
+
+
+def _exit_with_parent(directory: str) -> None:
+    """In a child: once the parent is gone (killed, so it never stopped the pool), remove this child's files
+    (the one being filled, the packed ones the parent never mapped: it unlinks each as it maps it) and exit; the
+    pool's queue would otherwise keep this process waiting for ever."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+    parent.join()  # returns when the parent's end of the start pipe closes: it exited
+    remove_files_of(directory, os.getpid())
+    os._exit(1)
+
+
+def remove_files_of(directory: str, pid: int) -> None:
+    """Remove the packed files loader child ``pid`` made in ``directory`` and no one mapped."""
+    for left in Path(directory).glob(f"{FILE_PREFIX}{pid}-*"):
+        left.unlink(missing_ok=True)
 
 
 def _ready() -> bool:
@@ -94,7 +124,7 @@ def load_and_pack(job: PackJob) -> PackedFile | tuple[str, str]:
     """In a child: the adapter packed into a new file of job.directory; ("error", reason) if it cannot
     be served (an exception would have to survive pickling); ("no room", why) if the file could not
     be made (the caller loads the adapter itself)."""
-    path = Path(job.directory) / f"manylora-adapter-{os.getpid()}-{uuid.uuid4().hex}"
+    path = Path(job.directory) / f"{FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
 
     def allocate(numel: int, dtype: torch.dtype) -> torch.Tensor:
         nbytes = max(1, numel * torch.tensor([], dtype=dtype).element_size())
@@ -141,7 +171,8 @@ class ProcessLoader:
         log.info("%d adapter loader processes, packing into %s", processes, self.directory)
 
     def _new_pool(self) -> ProcessPoolExecutor:
-        pool = ProcessPoolExecutor(self.processes, mp_context=spawn_context(), initializer=_child_init)
+        pool = ProcessPoolExecutor(self.processes, mp_context=spawn_context(), initializer=_child_init,
+                                   initargs=(self.directory,))
         # start the interpreters now, not at the first adapter (each imports torch: seconds)
         self._started = [pool.submit(_ready) for _ in range(self.processes)]
         return pool
@@ -168,7 +199,9 @@ class ProcessLoader:
                         type(e).__name__, spec.name)
             with self._lock:
                 if self._pool is pool:
+                    children = _children(pool)  # before the shutdown, which forgets them
                     pool.shutdown(wait=False, cancel_futures=True)
+                    self._kill_children(children)  # one may hang (the timeout): the exit would wait on it
                     self._pool = self._new_pool()
             return _load_here(job)
         if isinstance(answer, tuple) and answer[0] == "no room":
@@ -179,13 +212,40 @@ class ProcessLoader:
             raise AdapterError(spec.name, answer[1])
         return adopt(spec, answer, page_elems)
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+    def shutdown(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """Cancel the queued loads; wait until the children finished the ones in hand and exited (module
+        docstring: returning earlier can leave this process's exit waiting on them for ever). Past ``timeout``
+        the children are killed and the files they were filling removed."""
+        with self._lock:
+            pool = self._pool
+        children = _children(pool)
+        stopper = threading.Thread(target=pool.shutdown, kwargs={"wait": True, "cancel_futures": True},
+                                   name="manylora-loader-stop", daemon=True)
+        stopper.start()
+        stopper.join(timeout)
+        if not stopper.is_alive():
+            return
+        log.warning("adapter loader processes did not stop within %.0f s of the shutdown; killing them", timeout)
+        self._kill_children(children)
+        stopper.join(5)
+
+    def _kill_children(self, children: list) -> None:
+        """Kill a pool's children and remove the files they made that no one mapped."""
+        for child in children:
+            if child.is_alive():
+                child.kill()
+        for child in children:
+            child.join(5)
+            remove_files_of(self.directory, child.pid)
+
+
+def _children(pool: ProcessPoolExecutor) -> list:
+    """The pool's processes (none once it was shut down)."""
+    return list((getattr(pool, "_processes", None) or {}).values())
 
 
 def _all_alive(pool: ProcessPoolExecutor) -> bool:
-    processes = getattr(pool, "_processes", None) or {}
-    return all(process.is_alive() for process in processes.values())
+    return all(process.is_alive() for process in _children(pool))
 
 
 def _weights(job: PackJob) -> LoraWeights:
