@@ -20,6 +20,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from perf.capacity.engine_counters import run_counters
 from perf.capacity.graph_check import graph_warnings
 from perf.capacity.metrics import UNFINISHED, digest
 from perf.capacity.requests import RequestSetConfig, ScheduledRequest, build_requests
@@ -221,10 +222,12 @@ def execute(plan: EnginePlan) -> dict:
             if not budget.allows(0):
                 results["skipped"].append(f"engine offline n={n}: the time budget was spent")
                 continue
+            before = engine.stats()
             result, _ = measure_offline(driver, TARGET, n, build_requests(request_config, n),
                                         cap_s=budget.cap(plan.offline_cap_s), keep_ids=plan.keep_ids,
                                         runs_dir=runs_dir)
             result.meta["engine_stats"] = _stats(engine)
+            result.meta["engine_counters"] = run_counters(before, engine.stats())
             results["offline"].append(asdict(result))
             save()
             _log(f"offline n={n}: {result.completed}/{result.requests} in {result.wall_s:.1f} s, "

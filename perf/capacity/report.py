@@ -9,6 +9,7 @@ import math
 from dataclasses import asdict
 from pathlib import Path
 
+from perf.capacity.engine_counters import counters_table
 from perf.capacity.metrics import KNEE_DEFINITION, SweepPoint, find_knee, knee_notes
 from perf.capacity.store import Store
 
@@ -268,6 +269,11 @@ def markdown(summary: dict, adapter_counts: list[int]) -> str:
         which = f"in-process engine of call {t['call']}" if t["target"] == "engine" else label(t["target"])
         lines.append(f"- {which}, n={t['adapters']}: {t['identical']}/{t['compared']} requests' output tokens "
                      f"identical to the in-process engine's of call {t['engine_call']}")
+    counters = counters_table(summary["offline"].values(), label)
+    if counters:
+        lines += ["", "The engine's counters over each run (its stats before and after the run; the server's engine "
+                      "through the generator's `stats` control op): where two targets differ on the same requests, "
+                      "whether the engine ran more or slower steps or moved more adapters.", "", counters.rstrip()]
     lines += ["", "## 2. Open-loop sweep (Poisson arrivals; offered = fraction x the target's offline req/s)", "",
               KNEE_DEFINITION + ".", ""]
     for sweep in summary["sweeps"].values():

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from manylora.client.api import ManyLoraClient
 from perf.capacity.clients import ClientPool, ServerDriver, ServerLacksIgnoreEos
 from perf.capacity.config import SERVER_TARGETS, SWEEP_TARGETS
+from perf.capacity.engine_counters import run_counters
 from perf.capacity.graph_check import graph_warnings
 from perf.capacity.metrics import ClientLoad, OfflineResult
 from perf.capacity.requests import CapacityRequest, ScheduledRequest
@@ -37,6 +38,7 @@ class ServerPart:
     def __init__(self, call: Call) -> None:
         self.call = call
         self.cfg = call.cfg
+        self._stats_client: ManyLoraClient | None = None  # the server's engine counters, once it runs
 
     def run(self) -> None:
         call, cfg = self.call, self.cfg
@@ -58,6 +60,7 @@ class ServerPart:
         call.store.data["servers"].append({"call": call.index, "ready_s": round(server.ready_s, 1),
                                            "version": info.get("version"), "params": params})
         log(f"tritonserver {info.get('version')} ready in {server.ready_s:.1f} s on {server.grpc_url}")
+        self._stats_client = ManyLoraClient(server.grpc_url, server.http_url, timeout=30)
         for message in self._graph_warnings(server, params):
             log(f"warning: {message}")
             call.warn(f"server {message}")
@@ -117,7 +120,7 @@ class ServerPart:
             return []  # no CUDA graphs
         base = Path(self.call.ckpt.base_dir)
         try:
-            stats = ManyLoraClient(server.grpc_url, server.http_url, timeout=30).stats()
+            stats = self._stats_client.stats()
         except Exception as e:  # noqa: BLE001 - the check must not stop the measurement
             return [f"its stats could not be read ({e}), so whether its CUDA graphs were captured is not known"]
         config = EngineConfig.from_strings({k: v for k, v in params.items() if k != "device"}, model_dir=str(base),
@@ -130,9 +133,13 @@ class ServerPart:
         if not call.budget.allows(0):
             call.skip(f"{target} offline n={n}: the time budget was spent")
             return None
+        before = self._engine_stats()
         result, records = measure_offline(driver, target, n, call.requests(n),
                                           cap_s=call.budget.cap(self.cfg.offline_cap_s),
                                           keep_ids=self.cfg.keep_output_ids, runs_dir=call.runs)
+        after = self._engine_stats()
+        if before and after:
+            result.meta["engine_counters"] = run_counters(before, after)
         if target == "llm":
             result.notes.append("tokens counted as the words of the streamed text (perf/engine/checkpoint.py's "
                                 "word-level tokenizer); special tokens decode to nothing, so a few requests look short")
@@ -148,6 +155,14 @@ class ServerPart:
             f"{result.req_per_s:.2f} req/s, {result.output_tok_per_s:,.0f} tok/s, busiest client "
             f"{result.client_cpu_max or 0:.2f} of a core")
         return result
+
+    def _engine_stats(self) -> dict:
+        """The server's engine's counters (its stats), or {} with a warning where they cannot be read."""
+        try:
+            return self._stats_client.stats() if self._stats_client is not None else {}
+        except Exception as e:  # noqa: BLE001 - the counters must not stop the measurement
+            self.call.warn(f"the server's engine counters could not be read ({e})")
+            return {}
 
     def _offline(self, pool: ClientPool, target: str) -> None:
         driver = self._driver(pool, target)

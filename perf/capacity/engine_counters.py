@@ -1,0 +1,39 @@
+"""The engine's own counters over one offline run, for the in-process engine and the server's engine alike.
+
+``Engine.stats()`` (and the generator's ``stats`` control op, which answers with the same dict) counts from the
+engine's start; a run's own figures are the difference between a reading before it and one after. They say where a
+target's time went when two targets differ on the same requests: how many steps the engine ran (a server that
+feeds it requests more slowly runs more, smaller steps), how those ran (CUDA graphs or eager), and what adapter
+traffic they needed (uploads to the GPU, evictions, host-tier loads and their seconds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+COUNTERS = ("steps", "steps_decode_graph", "steps_mixed_graph", "steps_eager", "preemptions", "adapter_uploads",
+            "adapter_evictions", "host_loads", "host_misses", "host_load_seconds")
+
+
+def run_counters(before: dict, after: dict) -> dict:
+    """Each counter of ``COUNTERS`` that both readings have, as ``after - before`` (a run's own figures)."""
+    return {k: round(after[k] - before[k], 3) for k in COUNTERS if k in before and k in after}
+
+
+def counters_table(entries: Iterable[dict], label: Callable[[str], str]) -> str:
+    """A markdown table of the offline entries that carry ``meta["engine_counters"]`` (``label``: target -> its
+    name), with the wall time a step took on average; empty when none carries them."""
+    rows = [e for e in entries if e.get("meta", {}).get("engine_counters")]
+    if not rows:
+        return ""
+    lines = ["| target | n | call | steps | ms a step | decode graph | mixed graph | eager | preemptions "
+             "| adapter uploads | evictions | host loads | host misses | host load s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for e in sorted(rows, key=lambda e: (e.get("call", 0), e["target"], e["adapters"])):
+        c = e["meta"]["engine_counters"]
+        steps = c.get("steps")
+        per_step = f"{1000 * e['wall_s'] / steps:.2f}" if steps else "-"
+        cells = [label(e["target"]), e["adapters"], e.get("call", "-"), "-" if steps is None else steps, per_step,
+                 *(c.get(k, "-") for k in COUNTERS[1:])]
+        lines.append("| " + " | ".join(str(v) for v in cells) + " |")
+    return "\n".join(lines) + "\n"

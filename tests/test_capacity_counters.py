@@ -1,0 +1,47 @@
+"""perf/capacity/engine_counters.py: a run's own counters from two readings of the engine's stats, and their table."""
+
+from __future__ import annotations
+
+import random
+
+from perf.capacity.engine_counters import COUNTERS, counters_table, run_counters
+
+
+def _reading(rng: random.Random, base: dict | None = None) -> dict:
+    reading = {k: (base or {}).get(k, 0) + rng.randrange(0, 5000) for k in COUNTERS}
+    reading["host_load_seconds"] = (base or {}).get("host_load_seconds", 0.0) + rng.uniform(0, 30)
+    reading.update({"running": rng.randrange(9), "device": "cpu", "mixed_step_buckets": [64, 128]})  # not counters
+    return reading
+
+
+def test_run_counters_are_the_differences_of_the_counters_only():
+    rng = random.Random()
+    before = _reading(rng)
+    after = _reading(rng, before)
+    counters = run_counters(before, after)
+    assert set(counters) == set(COUNTERS)
+    for k in COUNTERS:
+        assert counters[k] == round(after[k] - before[k], 3)
+    missing = rng.choice(COUNTERS)
+    del after[missing]
+    assert missing not in run_counters(before, after)  # a server of another version may not report one
+
+
+def test_the_table_has_a_row_per_run_with_counters_and_the_time_a_step_took():
+    rng = random.Random()
+    entries = []
+    for i, (target, n) in enumerate([("engine", 5), ("server_stream", 5), ("llm", 100)]):
+        steps = rng.randrange(100, 4000)
+        counters = {**{k: rng.randrange(0, 50) for k in COUNTERS}, "steps": steps}
+        entries.append({"target": target, "adapters": n, "call": i, "wall_s": rng.uniform(1, 60),
+                        "meta": {"engine_counters": counters}})
+    entries.append({"target": "vllm_k8", "adapters": 5, "call": 0, "wall_s": 10.0, "meta": {}})  # no counters
+    table = counters_table(entries, str.upper).splitlines()
+    assert len(table) == 2 + 3
+    assert all(line.count("|") == table[0].count("|") for line in table)
+    for line, e in zip(table[2:], entries[:3], strict=True):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        steps = e["meta"]["engine_counters"]["steps"]
+        assert cells[:4] == [e["target"].upper(), str(e["adapters"]), str(e["call"]), str(steps)]
+        assert float(cells[4]) == round(1000 * e["wall_s"] / steps, 2)
+    assert counters_table(entries[3:], str) == ""
