@@ -150,16 +150,16 @@ def test_clients_report_their_cpu(run):
 
 def test_each_run_carries_its_engines_counters(run):
     """The engine's counters over each offline run, the server's engine's through its stats: a step makes at most
-    one token a request, so a run takes at least as many steps as its longest output; every step is counted once."""
+    one token a request, so a run takes at least as many steps as its longest output; on the CPU no step replays a
+    CUDA graph."""
     offline = run["summary"]["offline"]
     for target in (*OFFLINE_TARGETS, "llm"):
         for n in ADAPTERS:
             counters = offline[f"{target}|{n}"]["meta"]["engine_counters"]
             longest = max(r["output_tokens_requested"] for r in _records(run["out"], target, n))
             assert counters["steps"] >= longest, (target, n, counters)
-            assert counters["steps_decode_graph"] + counters["steps_mixed_graph"] + counters["steps_eager"] \
-                == counters["steps"], (target, n, counters)
-            assert counters["preemptions"] >= 0 and counters["adapter_uploads"] >= 0, (target, n, counters)
+            assert counters["steps_eager"] == counters["steps"], (target, n, counters)
+            assert counters["steps_decode_graph"] == counters["steps_mixed_graph"] == 0, (target, n, counters)
     assert "| server, streaming | 4 |" in (run["out"] / "summary.md").read_text()
 
 
