@@ -120,7 +120,7 @@ class ServerPart:
             return []  # no CUDA graphs
         base = Path(self.call.ckpt.base_dir)
         try:
-            stats = self._stats_client.stats()
+            stats = ManyLoraClient(server.grpc_url, server.http_url, timeout=30).stats()
         except Exception as e:  # noqa: BLE001 - the check must not stop the measurement
             return [f"its stats could not be read ({e}), so whether its CUDA graphs were captured is not known"]
         config = EngineConfig.from_strings({k: v for k, v in params.items() if k != "device"}, model_dir=str(base),
