@@ -269,7 +269,10 @@ def test_copies_in_flight_for_earlier_requests_are_not_evicted(base, tmp_path):
         engine.shutdown()
     assert all(r.error is None and r.finish_reason in ("stop", "length") for r in results)
     assert stats["adapter_evictions"] > 0, stats  # the pool was too small for all four
-    assert stats["adapter_uploads"] <= 2 * len(requests), stats  # no copy restarted over and over
+    # no copy restarted over and over: the bug this guards against made 93,000 uploads and admitted nothing. Legit
+    # churn depends on timing (a copy ahead of a queued request can be evicted and redone at its turn): 16-22 of 15
+    # requests with three runs on two cores, 31 once in a full test run
+    assert stats["adapter_uploads"] <= 4 * len(requests), stats
 
 
 def test_host_cache_bounded_by_bytes_evicts_least_recently_used(base, tmp_path):
