@@ -34,6 +34,7 @@ from manylora.engine.requests.sampling import is_greedy, make_generator, sample_
 from manylora.engine.requests.types import EmitFn, GenerationOutput, GenerationRequest
 from manylora.engine.scheduling.assembly import assemble
 from manylora.engine.scheduling.engine_stats import engine_stats
+from manylora.engine.scheduling.heartbeats import WAITING_HEARTBEATS_PER_S, due_heartbeats
 from manylora.engine.scheduling.observer import EngineObserver, NullObserver
 from manylora.engine.scheduling.scheduler import ScheduledChunk
 from manylora.engine.scheduling.sequence import Sequence, Status
@@ -98,7 +99,8 @@ class Engine:
         self._last_cancel_poll = 0.0
         self._paced_interval_s = config.stream_interval_ms / 1000  # the interval _pace_streams last gave
         self._stopping = threading.Event()
-        self._counters = {"steps": 0, "requests": 0, "finished": 0, "errors": 0, "tokens_out": 0, "tokens_in": 0}
+        self._counters = {"steps": 0, "requests": 0, "finished": 0, "errors": 0, "tokens_out": 0, "tokens_in": 0,
+                          "heartbeats": 0}
         self._refused = 0  # requests refused before they were queued (submit, or the caller's own parsing)
         self._refused_lock = threading.Lock()
         self._cancels: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()  # (request id, why) from cancel()
@@ -287,12 +289,11 @@ class Engine:
             if cancelled:
                 self._finish_with_error(seq, RequestError(ErrorCode.CANCELLED,
                                                           f"request {seq.request_id}: cancelled by the client"))
-                continue
-            keepalive = seq.request.keepalive_s
-            if keepalive is not None and now - seq.last_output_at >= keepalive:
-                self._emit(seq, GenerationOutput(request_id=seq.request_id, token_ids=[], context_ids=[],
-                                                 heartbeat=True, adapter=seq.adapter,
-                                                 adapter_sha256=seq.adapter_sha256))
+        budget = round(WAITING_HEARTBEATS_PER_S * CANCEL_POLL_S)  # the waiting requests' share of this poll
+        for seq in due_heartbeats(self.scheduler.running, self.scheduler.waiting, now, budget):
+            self._counters["heartbeats"] += 1
+            self._emit(seq, GenerationOutput(request_id=seq.request_id, token_ids=[], context_ids=[],
+                                             heartbeat=True, adapter=seq.adapter, adapter_sha256=seq.adapter_sha256))
 
     def _fail_all(self, why: str) -> None:
         self._drain_inbox()

@@ -67,6 +67,11 @@ class Sequence:
         return self.request.adapter or None
 
     @property
+    def keepalive_s(self) -> float | None:
+        """The longest this request may go without a response (heartbeats.py); None: no heartbeats."""
+        return self.request.keepalive_s
+
+    @property
     def adapter_key(self) -> tuple[str, str] | None:
         """(name, sha256) of the adapter version serving this request; None for the base model."""
         return (self.spec.name, self.spec.sha256) if self.spec else None

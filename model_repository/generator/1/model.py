@@ -15,7 +15,8 @@ Cancellation through the `llm` ensemble: Triton 2.51 does not tell a step that i
 that its ensemble request was cancelled (a gRPC cancel, a closed HTTP stream); it marks only the
 requests it makes for later steps. So a request with `keepalive` set (preprocessing sets it inside
 the ensemble) carries an unguessable `request_key` on every response, gets a heartbeat response
-(only `request_key`) after KEEPALIVE_S without output, and postprocessing, which sees the
+(only `request_key`) after KEEPALIVE_S without output (a queued one when its turn comes among a bounded number
+a second: manylora/engine/scheduling/heartbeats.py), and postprocessing, which sees the
 cancelled flag on the step request such a response makes, sends {"op": "cancel", "key": ...} back.
 Metrics: generator_metrics.MetricsObserver (pb_utils.MetricFamily), the engine's observer.
 
