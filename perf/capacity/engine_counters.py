@@ -4,7 +4,8 @@
 engine's start; a run's own figures are the difference between a reading before it and one after. They say where a
 target's time went when two targets differ on the same requests: how many steps the engine ran (a server that
 feeds it requests more slowly runs more, smaller steps), how those ran (CUDA graphs or eager), and what adapter
-traffic they needed (uploads to the GPU, evictions, host-tier loads and their seconds).
+traffic they needed (uploads to the GPU, evictions, host-tier loads and their seconds), and the heartbeats the `llm`
+ensemble's requests were sent (each costs the text path what a chunk costs: heartbeats.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 COUNTERS = ("steps", "steps_decode_graph", "steps_mixed_graph", "steps_eager", "preemptions", "adapter_uploads",
-            "adapter_evictions", "host_loads", "host_misses", "host_load_seconds")
+            "adapter_evictions", "host_loads", "host_misses", "host_load_seconds", "heartbeats")
 
 
 def run_counters(before: dict, after: dict) -> dict:
@@ -27,8 +28,8 @@ def counters_table(entries: Iterable[dict], label: Callable[[str], str]) -> str:
     if not rows:
         return ""
     lines = ["| target | n | call | steps | ms a step | decode graph | mixed graph | eager | preemptions "
-             "| adapter uploads | evictions | host loads | host misses | host load s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| adapter uploads | evictions | host loads | host misses | host load s | heartbeats |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in sorted(rows, key=lambda e: (e.get("call", 0), e["target"], e["adapters"])):
         c = e["meta"]["engine_counters"]
         steps = c.get("steps")
