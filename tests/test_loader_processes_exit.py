@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import process_alive
 
 from manylora.engine.adapters.process_loader import FILE_PREFIX, choose_directory
 from manylora.engine.requests.types import GenerationRequest, SamplingParams
@@ -50,14 +51,6 @@ def _loader_children(pid: int) -> list[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
 def _files_of(loaders: list[int]) -> list[str]:
     return [p.name for pid in loaders for p in Path(choose_directory()).glob(f"{FILE_PREFIX}{pid}-*")]
 
@@ -84,7 +77,7 @@ def test_a_stop_with_loads_in_flight_exits_cleanly_with_its_loaders(model):
     process.shutdown()
     # a stop that waits on its loaders for ever ends by the exit watchdog, with code 1
     assert process._process.exitcode == 0
-    assert not [pid for pid in loaders if _alive(pid)], "loader processes outlived the engine process"
+    assert not [pid for pid in loaders if process_alive(pid)], "loader processes outlived the engine process"
     assert not _files_of(loaders), "packed files left behind"
 
 
@@ -92,7 +85,7 @@ def test_the_loaders_of_a_killed_engine_process_exit_and_leave_no_file(model):
     process, loaders = _busy_loading(model)
     os.kill(process.info["pid"], signal.SIGKILL)
     deadline = time.monotonic() + 20
-    while [pid for pid in loaders if _alive(pid)]:
+    while [pid for pid in loaders if process_alive(pid)]:
         assert time.monotonic() < deadline, "loader processes outlived their killed engine process"
         time.sleep(0.05)
     left = _files_of(loaders)

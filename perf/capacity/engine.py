@@ -226,8 +226,9 @@ def execute(plan: EnginePlan) -> dict:
             result, _ = measure_offline(driver, TARGET, n, build_requests(request_config, n),
                                         cap_s=budget.cap(plan.offline_cap_s), keep_ids=plan.keep_ids,
                                         runs_dir=runs_dir)
-            result.meta["engine_stats"] = _stats(engine)
-            result.meta["engine_counters"] = run_counters(before, engine.stats())
+            after = engine.stats()
+            result.meta["engine_stats"] = _stats(after)
+            result.meta["engine_counters"] = run_counters(before, after)
             results["offline"].append(asdict(result))
             save()
             _log(f"offline n={n}: {result.completed}/{result.requests} in {result.wall_s:.1f} s, "
@@ -252,15 +253,15 @@ def execute(plan: EnginePlan) -> dict:
                 p99 = "inf" if point.ttft_inf else "-" if point.ttft_p99 is None else f"{point.ttft_p99:.3f} s"
                 _log(f"sweep x{fraction:g} ({point.offered_rps:.2f} req/s offered): achieved {point.achieved_rps:.2f} "
                      f"req/s, TTFT p99 {p99}, knee criteria {'met' if point.qualifies else 'missed'}")
-        results["engine_stats"] = _stats(engine)
+        results["engine_stats"] = _stats(engine.stats())
         save()
     finally:
         engine.shutdown()
     return results
 
 
-def _stats(engine) -> dict:
-    s = engine.stats()
+def _stats(s: dict) -> dict:
+    """The graph and adapter counters of ``Engine.stats()`` the results keep (since the engine started)."""
     keys = ("steps", "steps_decode_graph", "steps_mixed_graph", "steps_eager", "mixed_step_buckets", "preemptions",
             "adapter_uploads", "adapter_evictions")
     return {k: s[k] for k in keys if k in s}
