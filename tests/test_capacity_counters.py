@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from perf.capacity.engine_counters import COUNTERS, counters_table, run_counters
+from perf.capacity.engine_counters import COUNTERS, LOOP_TIMES, counters_table, run_counters
 
 
 def _reading(rng: random.Random, base: dict | None = None) -> dict:
@@ -32,7 +32,10 @@ def test_the_table_has_a_row_per_run_with_counters_and_the_time_a_step_took():
     entries = []
     for i, (target, n) in enumerate([("engine", 5), ("server_stream", 5), ("llm", 100)]):
         steps = rng.randrange(100, 4000)
-        counters = {**{k: rng.randrange(0, 50) for k in COUNTERS}, "steps": steps}
+        counters = {**{k: rng.randrange(0, 50) for k in COUNTERS}, "steps": steps,
+                    **{k: rng.uniform(0, 60) for k in LOOP_TIMES}}
+        if i == 1:
+            del counters["loop_hook_seconds"]  # a server of another version may not report one
         entries.append({"target": target, "adapters": n, "call": i, "wall_s": rng.uniform(1, 60),
                         "meta": {"engine_counters": counters}})
     entries.append({"target": "vllm_k8", "adapters": 5, "call": 0, "wall_s": 10.0, "meta": {}})  # no counters
@@ -44,4 +47,9 @@ def test_the_table_has_a_row_per_run_with_counters_and_the_time_a_step_took():
         steps = e["meta"]["engine_counters"]["steps"]
         assert cells[:4] == [e["target"].upper(), str(e["adapters"]), str(e["call"]), str(steps)]
         assert float(cells[4]) == round(1000 * e["wall_s"] / steps, 2)
+        for cell, key in zip(cells[5:8], LOOP_TIMES, strict=True):  # the loop's time per step, by where it went
+            seconds = e["meta"]["engine_counters"].get(key)
+            assert cell == ("-" if seconds is None else f"{1000 * seconds / steps:.2f}")
+        others = [str(e["meta"]["engine_counters"][k]) for k in COUNTERS[1:] if k not in LOOP_TIMES]
+        assert cells[8:] == others
     assert counters_table(entries[3:], str) == ""

@@ -4,8 +4,10 @@
 engine's start; a run's own figures are the difference between a reading before it and one after. They say where a
 target's time went when two targets differ on the same requests: how many steps the engine ran (a server that
 feeds it requests more slowly runs more, smaller steps), how those ran (CUDA graphs or eager), and what adapter
-traffic they needed (uploads to the GPU, evictions, host-tier loads and their seconds), and the heartbeats the `llm`
-ensemble's requests were sent (each costs the text path what a chunk costs: heartbeats.py).
+traffic they needed (uploads to the GPU, evictions, host-tier loads and their seconds), the heartbeats the `llm`
+ensemble's requests were sent (each costs the text path what a chunk costs: heartbeats.py), and where the engine
+loop's time went: in steps, in sending their outputs to the server's stub, or waiting for work (loop_times.py). A
+server whose engine takes longer a step than the in-process engine on the same requests is slower in one of those.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 COUNTERS = ("steps", "steps_decode_graph", "steps_mixed_graph", "steps_eager", "preemptions", "adapter_uploads",
-            "adapter_evictions", "host_loads", "host_misses", "host_load_seconds", "heartbeats")
+            "adapter_evictions", "host_loads", "host_misses", "host_load_seconds", "heartbeats",
+            "loop_step_seconds", "loop_hook_seconds", "loop_idle_seconds")
+LOOP_TIMES = COUNTERS[-3:]  # where the loop's wall time went (manylora/engine/scheduling/loop_times.py)
 
 
 def run_counters(before: dict, after: dict) -> dict:
@@ -27,14 +31,16 @@ def counters_table(entries: Iterable[dict], label: Callable[[str], str]) -> str:
     rows = [e for e in entries if e.get("meta", {}).get("engine_counters")]
     if not rows:
         return ""
-    lines = ["| target | n | call | steps | ms a step | decode graph | mixed graph | eager | preemptions "
-             "| adapter uploads | evictions | host loads | host misses | host load s | heartbeats |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| target | n | call | steps | ms a step | in the step | sending | waiting | decode graph "
+             "| mixed graph | eager | preemptions | adapter uploads | evictions | host loads | host misses "
+             "| host load s | heartbeats |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in sorted(rows, key=lambda e: (e.get("call", 0), e["target"], e["adapters"])):
         c = e["meta"]["engine_counters"]
         steps = c.get("steps")
-        per_step = f"{1000 * e['wall_s'] / steps:.2f}" if steps else "-"
-        cells = [label(e["target"]), e["adapters"], e.get("call", "-"), "-" if steps is None else steps, per_step,
-                 *(c.get(k, "-") for k in COUNTERS[1:])]
+        per_step = [f"{1000 * seconds / steps:.2f}" if steps and seconds is not None else "-"
+                    for seconds in (e["wall_s"], *(c.get(k) for k in LOOP_TIMES))]
+        cells = [label(e["target"]), e["adapters"], e.get("call", "-"), "-" if steps is None else steps, *per_step,
+                 *(c.get(k, "-") for k in COUNTERS[1:] if k not in LOOP_TIMES)]
         lines.append("| " + " | ".join(str(v) for v in cells) + " |")
     return "\n".join(lines) + "\n"

@@ -35,6 +35,7 @@ from manylora.engine.requests.types import EmitFn, GenerationOutput, GenerationR
 from manylora.engine.scheduling.assembly import assemble
 from manylora.engine.scheduling.engine_stats import engine_stats
 from manylora.engine.scheduling.heartbeats import WAITING_HEARTBEATS_PER_S, due_heartbeats
+from manylora.engine.scheduling.loop_times import LoopTimes
 from manylora.engine.scheduling.observer import EngineObserver, NullObserver
 from manylora.engine.scheduling.scheduler import ScheduledChunk
 from manylora.engine.scheduling.sequence import Sequence, Status
@@ -101,6 +102,7 @@ class Engine:
         self._stopping = threading.Event()
         self._counters = {"steps": 0, "requests": 0, "finished": 0, "errors": 0, "tokens_out": 0, "tokens_in": 0,
                           "heartbeats": 0}
+        self.loop_times = LoopTimes()
         self._refused = 0  # requests refused before they were queued (submit, or the caller's own parsing)
         self._refused_lock = threading.Lock()
         self._cancels: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()  # (request id, why) from cancel()
@@ -203,20 +205,25 @@ class Engine:
     def _loop(self) -> None:
         if self.device.startswith("cuda") and torch.device(self.device).index is not None:
             torch.cuda.set_device(torch.device(self.device))  # the current device is per thread
+        clock = time.perf_counter
         while not self._stopping.is_set():
+            started = clock()
             with self._state_lock.iteration():  # stats() reads the pool and the queues between iterations
                 ran = self._iterate()
+            iterated = clock()
             if self._on_iteration is not None:
                 try:
                     self._on_iteration()
                 except Exception:  # noqa: BLE001 - the loop must go on; the hook's owner sees its own failure
                     log.error("on_iteration failed:\n%s", traceback.format_exc())
+            hooked = clock()
             if ran is None:  # nothing to do
                 self._wake.wait(0.05)
                 self._wake.clear()
             elif not ran:  # waiting only on adapter loads
                 self._wake.wait(0.002)
                 self._wake.clear()
+            self.loop_times.add(bool(ran), iterated - started, hooked - iterated, clock() - hooked)
         self._fail_all("the server is shutting down")
         if self._on_iteration is not None:
             with contextlib.suppress(Exception):

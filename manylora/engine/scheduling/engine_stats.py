@@ -36,6 +36,7 @@ def engine_stats(engine: Engine, counters: dict[str, int], not_yet_queued: int) 
         "tensor_parallel_size": engine.config.tensor_parallel_size,
         "adapter_load_processes": engine.load_processes,
         **graph_stats(engine, counters["steps"]),
+        **engine.loop_times.stats(),
     }
 
 
