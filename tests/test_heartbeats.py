@@ -53,7 +53,10 @@ def test_a_long_queue_gets_no_more_heartbeats_than_its_share(base):
     """100 keepalive requests wait behind long ones (one running at a time): while they wait, the engine sends them
     at most WAITING_HEARTBEATS_PER_S a second (each would otherwise get one every keepalive_s, 250 a second here),
     and every output they get while waiting is a heartbeat."""
-    engine = Engine(EngineConfig(model_dir=str(base), max_num_seqs=1, max_model_len=256))
+    # each pass of the loop takes at least 2 ms (its hook sleeps), so the long requests' 2,000 steps outlast the check
+    # on a machine of any speed (a fast one ran them in under the check's 1.8 s)
+    engine = Engine(EngineConfig(model_dir=str(base), max_num_seqs=1, max_model_len=256),
+                    on_iteration=lambda: time.sleep(0.002))
     outputs: dict[str, list] = {}
     lock = threading.Lock()
 
@@ -65,7 +68,7 @@ def test_a_long_queue_gets_no_more_heartbeats_than_its_share(base):
 
     rng = random.Random()
     try:
-        for i in range(8):  # about 2,000 steps one after another: seconds of waiting for the rest
+        for i in range(8):  # about 2,000 steps one after another: over 4 s of waiting for the rest
             prompt = [0] + [rng.randrange(2, 290) for _ in range(4)]
             engine.submit(GenerationRequest(f"long{i}", prompt, sampling=SamplingParams(max_tokens=250,
                                                                                       ignore_eos=True)),
