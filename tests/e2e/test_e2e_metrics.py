@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import random
 import re
 import threading
 import time
@@ -160,6 +161,20 @@ def test_observer_counts_steps_by_kind_and_the_captured_buckets():
     assert _value(obs, "manylora_mixed_step_buckets") == 0
 
 
+def test_observer_advances_the_loop_seconds_by_part():
+    """The engine loop's seconds (step, sending, idle) become manylora_engine_loop_seconds_total{part}, advanced by
+    what changed between polls: the counter ends at the engine's own total."""
+    rng = random.Random()
+    obs = gm.MetricsObserver(_FakePb)
+    poller = gm.StatsPoller(lambda: stats, obs)
+    stats = {key: 0.0 for key in gm.LOOP_PARTS}
+    for _ in range(rng.randrange(2, 8)):
+        stats = {key: seconds + rng.choice([0.0, rng.uniform(0, 3)]) for key, seconds in stats.items()}
+        poller.poll()
+    for key, part in gm.LOOP_PARTS.items():
+        assert _value(obs, "manylora_engine_loop_seconds_total", part=part) == pytest.approx(stats[key])
+
+
 def test_observer_never_raises():
     obs = gm.MetricsObserver(_FakePb)
     obs.first_token("a", "not a number", None)  # swallowed
@@ -271,6 +286,10 @@ def test_metrics_after_known_traffic(server, client, tokenizer):
     assert _get(after, "manylora_steps_total", kind="eager") == stats["steps_eager"] == stats["steps"]
     assert _get(after, "manylora_steps_total", kind="decode_graph") == 0
     assert _get(after, "manylora_mixed_step_buckets") == 0 and stats["mixed_step_buckets"] == []
+    # the loop's time: steps ran while the requests did; the series lag the engine by at most a poll
+    assert delta("manylora_engine_loop_seconds_total", part="step") > 0
+    for key, part in gm.LOOP_PARTS.items():
+        assert 0 <= _get(after, "manylora_engine_loop_seconds_total", part=part) <= stats[key], part
 
 
 @pytest.mark.e2e

@@ -47,6 +47,8 @@ FAMILIES: dict[str, tuple[str, str, list[float] | None]] = {
     "manylora_steps_total": ("COUNTER", "Engine steps by how they ran (decode_graph, mixed_graph, eager)", None),
     "manylora_mixed_step_buckets": ("GAUGE", "Mixed-step token buckets captured in CUDA graphs (0: those steps run "
                                              "eagerly)", None),
+    "manylora_engine_loop_seconds_total": ("COUNTER", "The engine loop's wall time by where it went (step: running "
+                                                      "steps; sending: outputs to the generator; idle: no work)", None),
 }
 PER_ADAPTER = {name for name in FAMILIES if name.startswith(("manylora_request", "manylora_prompt", "manylora_output",
                                                              "manylora_time_", "manylora_queue"))}
@@ -61,6 +63,8 @@ STATS_COUNTERS = {
 }
 # stats() counter -> the `kind` label of manylora_steps_total it advances
 STEP_KINDS = {"steps_decode_graph": "decode_graph", "steps_mixed_graph": "mixed_graph", "steps_eager": "eager"}
+# stats() seconds -> the `part` label of manylora_engine_loop_seconds_total they advance (loop_times.py)
+LOOP_PARTS = {"loop_step_seconds": "step", "loop_hook_seconds": "sending", "loop_idle_seconds": "idle"}
 
 
 class MetricsObserver:
@@ -232,6 +236,11 @@ class MetricsObserver:
             delta = int(stats[key]) - int(previous.get(key, 0))
             if delta > 0 or key not in previous:  # the first poll creates the series at 0
                 metric.increment(max(0, delta))
+        for key, part in LOOP_PARTS.items():
+            if key in stats:
+                seconds = float(stats[key]) - float(previous.get(key, 0.0))
+                if seconds > 0 or key not in previous:
+                    self.metric("manylora_engine_loop_seconds_total", part=part).increment(max(0.0, seconds))
 
 
 class StatsPoller:
@@ -254,7 +263,7 @@ class StatsPoller:
         self._observer.flush()
         stats = self._stats()
         self._observer.record_stats(stats, self._previous)
-        self._previous = {k: stats[k] for k in (*STATS_COUNTERS, *STEP_KINDS) if k in stats}
+        self._previous = {k: stats[k] for k in (*STATS_COUNTERS, *STEP_KINDS, *LOOP_PARTS) if k in stats}
 
     def _run(self) -> None:
         failures = 0
