@@ -232,15 +232,12 @@ class MetricsObserver:
         counters = [(key, self.metric(family)) for key, family in STATS_COUNTERS.items() if key in stats]
         counters += [(key, self.metric("manylora_steps_total", kind=kind)) for key, kind in STEP_KINDS.items()
                      if key in stats]
-        for key, metric in counters:
-            delta = int(stats[key]) - int(previous.get(key, 0))
+        counters += [(key, self.metric("manylora_engine_loop_seconds_total", part=part))
+                     for key, part in LOOP_PARTS.items() if key in stats]
+        for key, metric in counters:  # counts and seconds alike (a count is exact as a float)
+            delta = float(stats[key]) - float(previous.get(key, 0))
             if delta > 0 or key not in previous:  # the first poll creates the series at 0
-                metric.increment(max(0, delta))
-        for key, part in LOOP_PARTS.items():
-            if key in stats:
-                seconds = float(stats[key]) - float(previous.get(key, 0.0))
-                if seconds > 0 or key not in previous:
-                    self.metric("manylora_engine_loop_seconds_total", part=part).increment(max(0.0, seconds))
+                metric.increment(max(0.0, delta))
 
 
 class StatsPoller:
