@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from perf.capacity.engine_counters import COUNTERS, LOOP_TIMES, counters_table, run_counters
+from perf.capacity.engine_counters import COUNTERS, LOOP_TIMES, counters_table, loop_split, run_counters
 
 
 def _reading(rng: random.Random, base: dict | None = None) -> dict:
@@ -47,9 +47,29 @@ def test_the_table_has_a_row_per_run_with_counters_and_the_time_a_step_took():
         steps = e["meta"]["engine_counters"]["steps"]
         assert cells[:4] == [e["target"].upper(), str(e["adapters"]), str(e["call"]), str(steps)]
         assert float(cells[4]) == round(1000 * e["wall_s"] / steps, 2)
-        for cell, key in zip(cells[5:8], LOOP_TIMES, strict=True):  # the loop's time per step, by where it went
-            seconds = e["meta"]["engine_counters"].get(key)
-            assert cell == ("-" if seconds is None else f"{1000 * seconds / steps:.2f}")
+        for cell, seconds in zip(cells[5:9], loop_split(e["meta"]["engine_counters"], e["wall_s"]), strict=True):
+            assert cell == ("-" if seconds is None else f"{1000 * seconds / steps:.2f}")  # per step, by where it went
         others = [str(e["meta"]["engine_counters"][k]) for k in COUNTERS[1:] if k not in LOOP_TIMES]
-        assert cells[8:] == others
+        assert cells[9:] == others
     assert counters_table(entries[3:], str) == ""
+
+
+def test_the_loops_seconds_beyond_the_runs_wall_time_come_out_of_its_waiting():
+    rng = random.Random()
+    for _ in range(200):
+        step, hook = rng.uniform(1, 50), rng.uniform(0, 2)
+        during = rng.uniform(0, 5)  # what the loop waited while the run lasted
+        beyond = rng.uniform(0, 3)  # the readings' bracket around the run (client start and end)
+        idle = during + beyond
+        wall = step + hook + during  # the run's wall time: the loop's time while it lasted
+        counters = {"loop_step_seconds": step, "loop_hook_seconds": hook, "loop_idle_seconds": idle}
+        got = loop_split(counters, wall)
+        assert got[:2] == (step, hook)
+        assert abs(got[2] - during) < 1e-9 and abs(got[3] - beyond) < 1e-9
+        assert abs(sum(got) - (step + hook + idle)) < 1e-9  # the parts still sum to the loop's time
+        # a loop that took less than the wall (a pass in flight at a reading) has nothing outside the run
+        assert loop_split(counters, step + hook + idle + rng.uniform(0, 1))[2:] == (idle, 0.0)
+        # the outside part never exceeds the waiting: a run whose steps alone outlast the wall keeps none
+        assert loop_split(counters, rng.uniform(0, step))[2:] == (0.0, idle)
+    partial = {"loop_step_seconds": 3.0, "loop_idle_seconds": 1.0}  # a server that reports no sending time
+    assert loop_split(partial, 3.5) == (3.0, None, 1.0, None)

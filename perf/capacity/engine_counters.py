@@ -25,21 +25,36 @@ def run_counters(before: dict, after: dict) -> dict:
     return {k: round(after[k] - before[k], 3) for k in COUNTERS if k in before and k in after}
 
 
+def loop_split(counters: dict, wall_s: float) -> tuple[float | None, ...]:
+    """A run's loop seconds as (in the step, sending, waiting during the run, outside the run); None where the
+    engine did not report a part.
+
+    The readings bracket more than the run (the client processes start after the first reading and end before the
+    second), and outside the run the engine has none of its requests: the loop's seconds beyond the run's wall time
+    are waiting that no request of the run saw, so they are taken out of "waiting" and shown apart."""
+    step, hook, idle = (counters.get(k) for k in LOOP_TIMES)
+    if step is None or hook is None or idle is None:
+        return step, hook, idle, None
+    outside = min(idle, max(0.0, step + hook + idle - wall_s))
+    return step, hook, idle - outside, outside
+
+
 def counters_table(entries: Iterable[dict], label: Callable[[str], str]) -> str:
     """A markdown table of the offline entries that carry ``meta["engine_counters"]`` (``label``: target -> its
-    name), with the wall time a step took on average; empty when none carries them."""
+    name), with the wall time a step took on average and the loop's split of it (``loop_split``); empty when none
+    carries them."""
     rows = [e for e in entries if e.get("meta", {}).get("engine_counters")]
     if not rows:
         return ""
-    lines = ["| target | n | call | steps | ms a step | in the step | sending | waiting | decode graph "
-             "| mixed graph | eager | preemptions | adapter uploads | evictions | host loads | host misses "
-             "| host load s | heartbeats |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| target | n | call | steps | ms a step | in the step | sending | waiting | outside the run "
+             "| decode graph | mixed graph | eager | preemptions | adapter uploads | evictions | host loads "
+             "| host misses | host load s | heartbeats |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in sorted(rows, key=lambda e: (e.get("call", 0), e["target"], e["adapters"])):
         c = e["meta"]["engine_counters"]
         steps = c.get("steps")
         per_step = [f"{1000 * seconds / steps:.2f}" if steps and seconds is not None else "-"
-                    for seconds in (e["wall_s"], *(c.get(k) for k in LOOP_TIMES))]
+                    for seconds in (e["wall_s"], *loop_split(c, e["wall_s"]))]
         cells = [label(e["target"]), e["adapters"], e.get("call", "-"), "-" if steps is None else steps, *per_step,
                  *(c.get(k, "-") for k in COUNTERS[1:] if k not in LOOP_TIMES)]
         lines.append("| " + " | ".join(str(v) for v in cells) + " |")

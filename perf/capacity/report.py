@@ -275,8 +275,10 @@ def markdown(summary: dict, adapter_counts: list[int]) -> str:
                       "through the generator's `stats` control op): where two targets differ on the same requests, "
                       "whether the engine ran more or slower steps or moved more adapters. A step's wall time splits "
                       "into the engine loop's time in the step itself (the forward, sampling, emitting), sending "
-                      "the outputs to the server's stub (the in-process engine sends nothing) and waiting for work, "
-                      "each per step.", "", counters.rstrip()]
+                      "the outputs to the server's stub (the in-process engine sends nothing) and waiting for work "
+                      "while the run lasted, each per step; \"outside the run\" is the loop's waiting before the "
+                      "first request and after the last (the readings bracket the client processes' start and end).",
+                  "", counters.rstrip()]
     lines += ["", "## 2. Open-loop sweep (Poisson arrivals; offered = fraction x the target's offline req/s)", "",
               KNEE_DEFINITION + ".", ""]
     for sweep in summary["sweeps"].values():
