@@ -3,7 +3,8 @@
 Renders model_repository/ into --out with the parameters filled in (absolute paths, engine
 knobs), makes the Python-backend stub and its libraries reachable, then runs tritonserver
 listening on 127.0.0.1 (--address picks another: a deliberate choice) until it stops; one still there
-10 s after its exit timeout from SIGINT / SIGTERM is killed (manylora.deploy.supervisor). Triton's
+10 s after its exit timeout from SIGINT / SIGTERM is killed (manylora.deploy.supervisor), and the shared-memory
+regions a killed server leaves are removed after it (their names carry a prefix of this server's own). Triton's
 administrative APIs (shared memory, model repository, model config, statistics, logging, trace) are
 restricted to requests that carry the header ``manylora-admin-key`` with the operator's key (--admin-key,
 $MANYLORA_ADMIN_KEY, else a random key kept in --admin-key-file); --open-apis opens some or all.
@@ -30,6 +31,7 @@ from manylora.deploy.operator_key import operator_key
 from manylora.deploy.repository import ENGINE_PARAMS, MODEL_PARAMS, RenderSpec, check_engine_params, parse_params
 from manylora.deploy.repository import render_repository as render
 from manylora.deploy.server_flags import ADMIN_APIS, ADMIN_HEADER, PYTHON_BACKEND_FLAGS, listen_flags, restriction_flags
+from manylora.deploy.shm_regions import new_prefix, prefix_flag
 from manylora.deploy.supervisor import supervise
 
 REPO = Path(__file__).resolve().parent.parent
@@ -112,8 +114,11 @@ def server_command(
     address: str = "127.0.0.1",
     extra: list[str] | None = None,
     restrictions: list[str] | None = None,
+    shm_prefix: str | None = None,
 ) -> list[str]:
-    """The tritonserver command line; ``restrictions`` are restriction_flags() (none: every API open)."""
+    """The tritonserver command line; ``restrictions`` are restriction_flags() (none: every API open). The
+    Python backend's regions are named with ``shm_prefix`` (a new one when None), so that those a killed server
+    leaves can be told from another server's and removed (manylora.deploy.shm_regions)."""
     home = triton_home()
     return [
         str(home / "bin" / "tritonserver"),
@@ -121,6 +126,7 @@ def server_command(
         f"--backend-directory={home / 'backends'}",
         *listen_flags(address, http_port, grpc_port, metrics_port),
         *PYTHON_BACKEND_FLAGS,
+        prefix_flag(shm_prefix or new_prefix()),
         *(restrictions or []),
         *(extra or []),
     ]

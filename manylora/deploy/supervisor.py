@@ -6,7 +6,8 @@ gRPC stream it can keep the generator model live and never ask its stub to final
 "Stopping"). An orchestrator kills it after its grace period; a server started by hand (``make serve``) would
 hang on Ctrl-C. ``supervise`` forwards SIGINT / SIGTERM and, if the server is still there ``grace_s`` after its
 own exit timeout, kills its process group (tritonserver and its stubs; the engine processes follow their stubs)
-and says so.
+and says so. Once the server has exited it removes the shared-memory regions a kill left behind (those of the
+server's own region prefix: manylora.deploy.shm_regions).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+
+from manylora.deploy.shm_regions import prefix_of, remove_regions
 
 TRITON_DEFAULT_EXIT_TIMEOUT_S = 30  # tritonserver's --exit-timeout-secs when not given
 
@@ -48,7 +51,8 @@ def supervise(cmd: list[str], env: dict[str, str], front: list[str] | None = Non
               policy: StopPolicy | None = None) -> int:
     """Run ``cmd`` (tritonserver) in a process group of its own and ``front`` beside it; SIGINT / SIGTERM go to
     both; a server not gone ``policy.kill_after_s`` after the first signal is killed with its group. The front is
-    stopped when the server exits. Returns the server's exit status (negative: the signal that ended it)."""
+    stopped when the server exits, and the regions of the server's ``shm-region-prefix-name`` (where its command
+    line sets one) are removed. Returns the server's exit status (negative: the signal that ended it)."""
     policy = policy or StopPolicy(exit_timeout_s(cmd))
     processes: list[subprocess.Popen] = []
     stopping_since: list[float] = []
@@ -93,6 +97,18 @@ def supervise(cmd: list[str], env: dict[str, str], front: list[str] | None = Non
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
+        _remove_regions_of(cmd)
+
+
+def _remove_regions_of(cmd: list[str]) -> None:
+    """After the server has exited: the shared-memory regions of its prefix that it left (it was killed, or its
+    stubs were)."""
+    prefix = prefix_of(cmd)
+    if prefix:
+        left = remove_regions(prefix)
+        if left:
+            print(f"serve: removed {len(left)} shared-memory region(s) the server left in /dev/shm ({prefix}*)",
+                  file=sys.stderr, flush=True)
 
 
 def _kill_group(process: subprocess.Popen) -> None:

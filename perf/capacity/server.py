@@ -18,6 +18,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from manylora.deploy.shm_regions import prefix_of, remove_regions
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -135,6 +137,9 @@ class TritonServer:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout=10)
+        prefix = prefix_of(list(process.args))
+        if prefix:  # those a killed server left
+            remove_regions(prefix)
         return process.returncode
 
     def log_tail(self, n: int = 60) -> str:

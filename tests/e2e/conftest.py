@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from manylora.deploy.shm_regions import prefix_of, regions_of, remove_regions
+
 REPO = Path(__file__).resolve().parents[2]
 E2E_BUILD = REPO / "build" / "e2e"
 DEFAULT_BUILD = REPO / "build" / "default"
@@ -56,6 +58,11 @@ class Server:
     metrics_port: int = 0
     max_model_len: int = MAX_MODEL_LEN
     admin_key: str = ""  # the value of serve.ADMIN_HEADER that opens the restricted APIs
+    shm_prefix: str = ""  # the names of its Python backend's shared-memory regions start so
+
+    def shm_regions(self) -> list[Path]:
+        """This server's Python-backend regions in /dev/shm."""
+        return regions_of(self.shm_prefix)
 
     def client(self):
         from manylora.client import ManyLoraClient
@@ -99,6 +106,8 @@ class Server:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout=10)
+        if self.shm_prefix:
+            remove_regions(self.shm_prefix)  # those a killed server (or a killed stub) left
         if process.returncode not in (0, -15):
             print(f"tritonserver exited with {process.returncode}:\n{self.log_tail(40)}", file=sys.stderr)
 
@@ -193,6 +202,7 @@ def start_server(
         metrics_port=metrics_port,
         max_model_len=int(params["max_model_len"]),
         admin_key=key,
+        shm_prefix=prefix_of(command),
     )
     if wait:
         try:

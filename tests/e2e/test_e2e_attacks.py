@@ -10,7 +10,6 @@ every error a model sends (docs/security.md), so model-level refusals are checke
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -188,15 +187,16 @@ def _control(command: bytes, *words: str):
 
 
 # -------------------------------------------------------------------------------- endpoints
-def _shm_region() -> str:
-    regions = [name for name in os.listdir("/dev/shm") if name.startswith("triton_python_backend_shm_region_")]
-    assert regions
-    return regions[0]
+def _shm_region(s) -> str:
+    """One of the server's own Python-backend regions: what an attacker would map to read other clients' data."""
+    regions = s.shm_regions()
+    assert regions, f"no region named {s.shm_prefix}* in /dev/shm"
+    return regions[0].name
 
 
 def _register_backend_shm_http(s, t: Tools) -> str:
     status, text = t.http("/v2/systemsharedmemory/region/steal/register",
-                          {"key": "/" + _shm_region(), "offset": 0, "byte_size": 4096})
+                          {"key": "/" + _shm_region(s), "offset": 0, "byte_size": 4096})
     assert status == 403 and ADMIN in text, (status, text)
     return "403: shared-memory API restricted"
 
@@ -204,7 +204,7 @@ def _register_backend_shm_http(s, t: Tools) -> str:
 def _register_backend_shm_grpc(s, t: Tools) -> str:
     grpc = grpcclient.InferenceServerClient(s.grpc_url)
     with pytest.raises(Exception) as refused:
-        grpc.register_system_shared_memory("steal", "/" + _shm_region(), 4096)
+        grpc.register_system_shared_memory("steal", "/" + _shm_region(s), 4096)
     assert "restricted" in str(refused.value)
     return "refused: gRPC shared-memory protocol restricted"
 

@@ -27,6 +27,7 @@ from test_e2e_oracle import MAX_NEW_TOKENS, check_mixed_batches, peft_reference
 from manylora.deploy.packed_env import MANIFEST, PackSpec, pack_environment
 from manylora.deploy.repository import ENVIRONMENT_PARAMETER, RenderSpec, render_repository
 from manylora.deploy.server_flags import PYTHON_BACKEND_FLAGS, listen_flags, restriction_flags
+from manylora.deploy.shm_regions import new_prefix, prefix_flag
 
 pytestmark = pytest.mark.e2e
 
@@ -103,11 +104,11 @@ def test_stock_server_runs_the_models_in_the_packed_environment(model_dir, tmp_p
 
     home = serve.triton_home()
     http_port, grpc_port, metrics_port = serve.free_ports(3)
-    key = secrets.token_urlsafe(16)
+    key, shm_prefix = secrets.token_urlsafe(16), new_prefix()
     command = [str(home / "bin" / "tritonserver"), f"--model-repository={repository}",
                f"--backend-directory={home / 'backends'}",
                *listen_flags("127.0.0.1", http_port, grpc_port, metrics_port), *PYTHON_BACKEND_FLAGS,
-               *restriction_flags(key), f"--exit-timeout-secs={EXIT_TIMEOUT_S}"]
+               prefix_flag(shm_prefix), *restriction_flags(key), f"--exit-timeout-secs={EXIT_TIMEOUT_S}"]
     # a clean environment: the system PATH, no virtual environment, no PYTHONPATH; the server binary's own
     # libraries only (the wheel keeps them apart; an NGC image has them in place)
     clean = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path),
@@ -117,7 +118,7 @@ def test_stock_server_runs_the_models_in_the_packed_environment(model_dir, tmp_p
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=clean, cwd=tmp_path)
     server = Server(http_url=f"127.0.0.1:{http_port}", grpc_url=f"127.0.0.1:{grpc_port}", http_port=http_port,
                     grpc_port=grpc_port, base_model=model_dir / "base", catalogue=catalogue, log=log, process=process,
-                    metrics_port=metrics_port, admin_key=key)
+                    metrics_port=metrics_port, admin_key=key, shm_prefix=shm_prefix)
     try:
         server.wait_ready()
         stubs = _stub_environments(process.pid)

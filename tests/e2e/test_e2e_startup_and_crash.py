@@ -114,6 +114,7 @@ def test_a_killed_server_takes_the_generator_stub_and_engine_with_it(model_dir, 
     srv = make_server(model_dir, tmp_path, {"max_model_len": "4096"})
     client = grpcclient.InferenceServerClient(srv.grpc_url)
     try:
+        assert srv.shm_regions(), f"the server's stubs have no region named {srv.shm_prefix}* (the flag unread?)"
         [stub] = _stubs(srv.process.pid, "generator")
         engines = _children(stub)
         assert engines, f"no engine process under the generator stub {stub}"
@@ -146,3 +147,5 @@ def test_a_killed_server_takes_the_generator_stub_and_engine_with_it(model_dir, 
     finally:
         client.stop_stream(cancel_requests=True)
         srv.stop()
+    assert not srv.shm_regions(), "the regions of the killed server are still in /dev/shm after its stop"
+
