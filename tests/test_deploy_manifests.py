@@ -6,8 +6,10 @@ that exist."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -37,7 +39,7 @@ def _container(manifests, name: str, init: bool = False) -> dict:
 
 def test_server_flags_are_the_deploy_modules(manifests):
     server = _container(manifests, "tritonserver")
-    assert server["command"] == ["tritonserver"]
+    assert server["command"][:2] == ["sh", "-c"] and "exec tritonserver \"$@\"" in server["command"][2]
     args = server["args"]
     ports = {p["name"]: p["containerPort"] for p in server["ports"]}
     # every endpoint on every interface (probes and the Service reach the pod's address), on the declared ports
@@ -54,6 +56,36 @@ def test_server_flags_are_the_deploy_modules(manifests):
     env = {e["name"]: e for e in server["env"]}
     assert env["MANYLORA_ADMIN_KEY"]["valueFrom"]["secretKeyRef"]["name"]
     assert server["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_the_server_container_clears_what_a_killed_predecessor_left_and_execs_tritonserver(manifests, tmp_path):
+    """The container's shell line, run with a stand-in tritonserver and a stand-in /dev/shm: Triton's default-named
+    regions go, nothing else there does, and tritonserver gets the manifest's arguments unchanged (exec: the same
+    process, so it takes the pod's signals)."""
+    server = _container(manifests, "tritonserver")
+    sh, flag, line, name = server["command"]
+    assert (sh, flag, name) == ("sh", "-c", "tritonserver") and line.count("/dev/shm/") == 1
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    left = [shm / f"triton_python_backend_shm_region_{os.urandom(6).hex()}" for _ in range(4)]
+    kept = [shm / "manylora-adapter-17-ab12", shm / f"manylora_{os.urandom(6).hex()}_region", shm / "other"]
+    for path in left + kept:
+        path.write_bytes(b"x")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "tritonserver"
+    fake.write_text("#!/bin/sh\n" 'echo "$$"\n' 'for a in "$@"; do printf "%s\\n" "$a"; done\n')
+    fake.chmod(0o755)
+    args = [*server["args"], "an argument with spaces"]
+    shell = subprocess.Popen(["sh", "-c", line.replace("/dev/shm/", f"{shm}/"), "tritonserver", *args],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={"PATH": f"{bin_dir}:/usr/bin:/bin"})
+    out, err = shell.communicate(timeout=30)
+    assert shell.returncode == 0, err
+    assert not any(p.exists() for p in left) and all(p.exists() for p in kept)
+    pid, *given = out.splitlines()
+    assert int(pid) == shell.pid  # exec'd: tritonserver is the container's process, not a child of the shell
+    assert given == args
 
 
 def test_probes_volumes_and_metrics(manifests):
