@@ -15,6 +15,7 @@ import pytest
 from manylora.deploy.shm_regions import (
     SHM_DIR,
     TRITON_DEFAULT_PREFIX,
+    is_own_prefix,
     new_prefix,
     prefix_flag,
     prefix_of,
@@ -29,6 +30,7 @@ def test_each_server_gets_a_prefix_of_its_own_and_its_command_line_gives_it_back
     prefixes = {new_prefix() for _ in range(200)}
     assert len(prefixes) == 200
     for prefix in prefixes:
+        assert is_own_prefix(prefix)
         assert not prefix.startswith(TRITON_DEFAULT_PREFIX) and not TRITON_DEFAULT_PREFIX.startswith(prefix)
         assert prefix_of(["tritonserver", "--model-repository=/r", prefix_flag(prefix), "--exit-timeout-secs=5"]) \
             == prefix
@@ -92,6 +94,25 @@ def test_the_supervisor_removes_what_a_killed_server_left_and_not_a_neighbours_r
     finally:
         remove_regions(prefix)
         other.unlink(missing_ok=True)
+
+
+@pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm")
+def test_a_prefix_the_operator_passed_is_left_alone(tmp_path, capfd):
+    """A prefix not of new_prefix()'s form (Triton's default, an operator's own) may be shared by other servers:
+    the supervisor removes nothing under it."""
+    shared = f"operator_{os.urandom(4).hex()}_"
+    for prefix in (shared, TRITON_DEFAULT_PREFIX):
+        assert not is_own_prefix(prefix)
+    region = SHM_DIR / f"{shared}{os.urandom(8).hex()}"
+    region.write_bytes(b"another server's region")
+    script = tmp_path / "server.py"
+    script.write_text("import sys; sys.exit(0)\n")
+    try:
+        assert supervise([sys.executable, str(script), prefix_flag(new_prefix()), prefix_flag(shared)],
+                         dict(os.environ)) == 0
+        assert region.exists()
+    finally:
+        region.unlink(missing_ok=True)
 
 
 def test_a_server_that_leaves_nothing_is_not_reported(tmp_path, capfd):

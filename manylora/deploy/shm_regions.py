@@ -9,17 +9,25 @@ started it remove exactly its regions once it has exited, and none of a server s
 
 from __future__ import annotations
 
+import re
 import secrets
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
 FLAG = "--backend-config=python,shm-region-prefix-name="
 TRITON_DEFAULT_PREFIX = "triton_python_backend_shm_region_"
+_OWN_PREFIX = re.compile(r"manylora_[0-9a-f]{12}_")
 
 
 def new_prefix() -> str:
     """A region prefix no other server on this machine uses."""
     return f"manylora_{secrets.token_hex(6)}_"
+
+
+def is_own_prefix(prefix: str) -> bool:
+    """Whether ``prefix`` is one new_prefix() makes: only such a prefix names one server's regions alone (an
+    operator's own, or Triton's default, may be shared by other servers on the machine)."""
+    return bool(_OWN_PREFIX.fullmatch(prefix))
 
 
 def prefix_flag(prefix: str) -> str:

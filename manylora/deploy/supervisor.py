@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from manylora.deploy.shm_regions import prefix_of, remove_regions
+from manylora.deploy.shm_regions import is_own_prefix, prefix_of, remove_regions
 
 TRITON_DEFAULT_EXIT_TIMEOUT_S = 30  # tritonserver's --exit-timeout-secs when not given
 
@@ -52,7 +52,8 @@ def supervise(cmd: list[str], env: dict[str, str], front: list[str] | None = Non
     """Run ``cmd`` (tritonserver) in a process group of its own and ``front`` beside it; SIGINT / SIGTERM go to
     both; a server not gone ``policy.kill_after_s`` after the first signal is killed with its group. The front is
     stopped when the server exits, and the regions of the server's ``shm-region-prefix-name`` (where its command
-    line sets one) are removed. Returns the server's exit status (negative: the signal that ended it)."""
+    line sets one of shm_regions.new_prefix's) are removed. Returns the server's exit status (negative: the
+    signal that ended it)."""
     policy = policy or StopPolicy(exit_timeout_s(cmd))
     processes: list[subprocess.Popen] = []
     stopping_since: list[float] = []
@@ -102,9 +103,10 @@ def supervise(cmd: list[str], env: dict[str, str], front: list[str] | None = Non
 
 def _remove_regions_of(cmd: list[str]) -> None:
     """After the server has exited: the shared-memory regions of its prefix that it left (it was killed, or its
-    stubs were)."""
+    stubs were). Only a prefix of this server's own (scripts/serve.py gives each one): a prefix the operator passed
+    may name other servers' regions too."""
     prefix = prefix_of(cmd)
-    if prefix:
+    if prefix and is_own_prefix(prefix):
         left = remove_regions(prefix)
         if left:
             print(f"serve: removed {len(left)} shared-memory region(s) the server left in /dev/shm ({prefix}*)",

@@ -148,4 +148,3 @@ def test_a_killed_server_takes_the_generator_stub_and_engine_with_it(model_dir, 
         client.stop_stream(cancel_requests=True)
         srv.stop()
     assert not srv.shm_regions(), "the regions of the killed server are still in /dev/shm after its stop"
-
