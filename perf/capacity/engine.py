@@ -23,6 +23,7 @@ from pathlib import Path
 from perf.capacity.engine_counters import run_counters
 from perf.capacity.graph_check import graph_warnings
 from perf.capacity.metrics import UNFINISHED, digest
+from perf.capacity.process_cpu import CpuReading
 from perf.capacity.requests import RequestSetConfig, ScheduledRequest, build_requests
 from perf.capacity.runs import Budget, RunOutcome, SweepConfig, measure_offline, measure_sweep_point, new_record
 from perf.engine.engine_target import wait_idle
@@ -222,10 +223,11 @@ def execute(plan: EnginePlan) -> dict:
             if not budget.allows(0):
                 results["skipped"].append(f"engine offline n={n}: the time budget was spent")
                 continue
-            before = engine.stats()
+            before, cpu = engine.stats(), CpuReading.now(os.getpid())
             result, _ = measure_offline(driver, TARGET, n, build_requests(request_config, n),
                                         cap_s=budget.cap(plan.offline_cap_s), keep_ids=plan.keep_ids,
                                         runs_dir=runs_dir)
+            result.meta["process_cores"] = cpu.cores_since()
             after = engine.stats()
             result.meta["engine_stats"] = _stats(after)
             result.meta["engine_counters"] = run_counters(before, after)

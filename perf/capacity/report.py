@@ -11,6 +11,7 @@ from pathlib import Path
 
 from perf.capacity.engine_counters import counters_table
 from perf.capacity.metrics import KNEE_DEFINITION, SweepPoint, find_knee, knee_notes
+from perf.capacity.process_cpu import cpu_table
 from perf.capacity.store import Store
 
 LABELS = {
@@ -279,6 +280,12 @@ def markdown(summary: dict, adapter_counts: list[int]) -> str:
                       "while the run lasted, each per step; \"outside the run\" is the loop's waiting before the "
                       "first request and after the last (the readings bracket the client processes' start and end).",
                   "", counters.rstrip()]
+    cores = cpu_table(summary["offline"].values(), label)
+    if cores:
+        lines += ["", "The CPU each target's processes used over each run, in cores (their user + system seconds "
+                      "between readings before and after the run, over the seconds between the readings; "
+                      "perf/capacity/process_cpu.py): the stubs share the host with the engine process's launches.",
+                  "", cores.rstrip()]
     lines += ["", "## 2. Open-loop sweep (Poisson arrivals; offered = fraction x the target's offline req/s)", "",
               KNEE_DEFINITION + ".", ""]
     for sweep in summary["sweeps"].values():

@@ -18,6 +18,7 @@ from perf.capacity.config import SERVER_TARGETS, SWEEP_TARGETS
 from perf.capacity.engine_counters import run_counters
 from perf.capacity.graph_check import graph_warnings
 from perf.capacity.metrics import ClientLoad, OfflineResult
+from perf.capacity.process_cpu import CpuReading
 from perf.capacity.requests import CapacityRequest, ScheduledRequest
 from perf.capacity.runs import log, measure_offline, measure_sweep_point
 from perf.capacity.server import ServerConfig, TritonServer, http_get
@@ -39,6 +40,7 @@ class ServerPart:
         self.call = call
         self.cfg = call.cfg
         self._stats_client: ManyLoraClient | None = None  # the server's engine counters, once it runs
+        self._server_pid: int | None = None  # the root of the processes whose CPU each run reads
 
     def run(self) -> None:
         call, cfg = self.call, self.cfg
@@ -61,6 +63,7 @@ class ServerPart:
                                            "version": info.get("version"), "params": params})
         log(f"tritonserver {info.get('version')} ready in {server.ready_s:.1f} s on {server.grpc_url}")
         self._stats_client = ManyLoraClient(server.grpc_url, server.http_url, timeout=30)
+        self._server_pid = server.pid
         for message in self._graph_warnings(server, params):
             log(f"warning: {message}")
             call.warn(f"server {message}")
@@ -134,9 +137,12 @@ class ServerPart:
             call.skip(f"{target} offline n={n}: the time budget was spent")
             return None
         before = self._engine_stats()
+        cpu = CpuReading.now(self._server_pid) if self._server_pid is not None else None
         result, records = measure_offline(driver, target, n, call.requests(n),
                                           cap_s=call.budget.cap(self.cfg.offline_cap_s),
                                           keep_ids=self.cfg.keep_output_ids, runs_dir=call.runs)
+        if cpu is not None:
+            result.meta["process_cores"] = cpu.cores_since()
         after = self._engine_stats()
         if before and after:
             result.meta["engine_counters"] = run_counters(before, after)
