@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from perf.capacity.soak import process_label, process_tree
+from perf.capacity.soak import process_label, process_tree, stat_fields
 
 ROLES = ("tritonserver", "stub:preprocessing", "stub:generator", "stub:postprocessing", "engine process", "loaders",
          "other")
@@ -44,13 +44,13 @@ class ProcessReading:
 
 def read_process(pid: int) -> ProcessReading | None:
     """``pid``'s reading from /proc, or None where it is gone or unreadable."""
+    fields = stat_fields(pid)
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
         args = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return None
-    # the command name (field 2) may hold spaces and parentheses: the fields after the last ')' are fixed
-    fields = stat[stat.rindex(")") + 2:].split()
+    if fields is None:
+        return None
     parent, utime, stime = int(fields[1]), int(fields[11]), int(fields[12])
     spawned = b"spawn_main" in args and b"resource_tracker" not in args
     return ProcessReading(parent, process_label(pid), spawned, (utime + stime) / _TICKS_PER_S)

@@ -35,13 +35,19 @@ class SoakConfig:
     seed: int = 2
 
 
-def _parent_of(pid: int) -> int | None:
+def stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields from the state (field 3) on, or None where the process is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     # the command name (field 2) may hold spaces and parentheses: the fields after the last ')' are fixed
-    return int(stat[stat.rindex(")") + 2 :].split()[1])
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def _parent_of(pid: int) -> int | None:
+    fields = stat_fields(pid)
+    return None if fields is None else int(fields[1])
 
 
 def process_tree(root: int) -> list[int]:
