@@ -157,9 +157,12 @@ class ServerPart:
                 digests[r.request] = r.output_digest
         call.put_offline(asdict(result), digests)
         call.write()
+        cores = result.meta.get("process_cores") or {}
         log(f"{target} offline n={n}: {result.completed}/{result.requests} in {result.wall_s:.1f} s, "
             f"{result.req_per_s:.2f} req/s, {result.output_tok_per_s:,.0f} tok/s, busiest client "
-            f"{result.client_cpu_max or 0:.2f} of a core")
+            f"{result.client_cpu_max or 0:.2f} of a core"
+            + ("; server cores: " + ", ".join(f"{role} {c:.2f}" for role, c in cores.items() if c >= 0.01)
+               if cores else ""))
         return result
 
     def _engine_stats(self) -> dict:
