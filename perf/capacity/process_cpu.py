@@ -45,11 +45,11 @@ class ProcessReading:
 def read_process(pid: int) -> ProcessReading | None:
     """``pid``'s reading from /proc, or None where it is gone or unreadable."""
     fields = stat_fields(pid)
+    if fields is None:
+        return None
     try:
         args = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
-        return None
-    if fields is None:
         return None
     parent, utime, stime = int(fields[1]), int(fields[11]), int(fields[12])
     spawned = b"spawn_main" in args and b"resource_tracker" not in args
