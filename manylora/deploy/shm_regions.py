@@ -61,3 +61,10 @@ def remove_regions(prefix: str, directory: Path = SHM_DIR) -> list[str]:
             continue
         removed.append(path.name)
     return removed
+
+
+def remove_server_regions(cmd: list[str]) -> list[str]:
+    """Once the server ``cmd`` started has exited: unlink the regions it left (it was killed, or its stubs were),
+    where its command line names them with a prefix of its own (is_own_prefix); returns the names removed."""
+    prefix = prefix_of(cmd)
+    return remove_regions(prefix) if prefix and is_own_prefix(prefix) else []

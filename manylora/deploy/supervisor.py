@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from manylora.deploy.shm_regions import is_own_prefix, prefix_of, remove_regions
+from manylora.deploy.shm_regions import prefix_of, remove_server_regions
 
 TRITON_DEFAULT_EXIT_TIMEOUT_S = 30  # tritonserver's --exit-timeout-secs when not given
 
@@ -102,15 +102,11 @@ def supervise(cmd: list[str], env: dict[str, str], front: list[str] | None = Non
 
 
 def _remove_regions_of(cmd: list[str]) -> None:
-    """After the server has exited: the shared-memory regions of its prefix that it left (it was killed, or its
-    stubs were). Only a prefix of this server's own (scripts/serve.py gives each one): a prefix the operator passed
-    may name other servers' regions too."""
-    prefix = prefix_of(cmd)
-    if prefix and is_own_prefix(prefix):
-        left = remove_regions(prefix)
-        if left:
-            print(f"serve: removed {len(left)} shared-memory region(s) the server left in /dev/shm ({prefix}*)",
-                  file=sys.stderr, flush=True)
+    """After the server has exited: the shared-memory regions it left, said when there were any."""
+    left = remove_server_regions(cmd)
+    if left:
+        print(f"serve: removed {len(left)} shared-memory region(s) the server left in /dev/shm "
+              f"({prefix_of(cmd)}*)", file=sys.stderr, flush=True)
 
 
 def _kill_group(process: subprocess.Popen) -> None:

@@ -28,7 +28,7 @@ from perf.capacity.soak import process_label, process_tree, stat_fields
 
 ROLES = ("tritonserver", "stub:preprocessing", "stub:generator", "stub:postprocessing", "engine process", "loaders",
          "other")
-_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")  # /proc counts CPU time in clock ticks
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from manylora.deploy.shm_regions import prefix_of, remove_regions
+from manylora.deploy.shm_regions import remove_server_regions
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -137,9 +137,7 @@ class TritonServer:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout=10)
-        prefix = prefix_of(list(process.args))
-        if prefix:  # those a killed server left
-            remove_regions(prefix)
+        remove_server_regions(list(process.args))  # those a killed server left
         return process.returncode
 
     def log_tail(self, n: int = 60) -> str:
