@@ -109,7 +109,8 @@ def test_summary_has_the_table_rows(run):
     printed = run["stdout"][run["stdout"].rindex("results in"):]  # the short table printed last
     assert "| in-process engine |" in printed and "| server, streaming |" in printed and "knee of" in printed
     llm = [r for r in summary["offline_table"] if r["target"] == "llm"]
-    assert llm and all(r["completed"] == REQUESTS for r in llm)  # ignore_eos through sampling_parameters
+    # ignore_eos through sampling_parameters; each chunk's tokens from its num_output_tokens
+    assert llm and all(r["completed"] == r["exact_length"] == REQUESTS for r in llm)
 
 
 def test_sweep_points_and_knee(run):

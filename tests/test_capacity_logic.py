@@ -1,5 +1,5 @@
 """The capacity benchmark's pure logic on fresh random inputs: percentiles, ITL, Poisson schedules, the request set,
-sweep-point windows, the knee, slopes, memory summaries, the results store, request building. No server, no engine.
+sweep-point windows, the knee, slopes, memory summaries, the results store. No server, no engine.
 
 Each test draws a new seed (printed in its failure message) so that repeated runs cover new inputs.
 """
@@ -20,7 +20,6 @@ import pytest
 # `pytest` started as a script does not put the repository on sys.path (`python -m pytest` does)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from perf.capacity.clients import RunSpec, SendSpec, _text_of_bytes_tensor, build_request, prompt_text
 from perf.capacity.metrics import (
     KNEE_MAX_TTFT_P99_S,
     UNFINISHED,
@@ -420,35 +419,6 @@ def test_sweeps_group_points_and_report_the_knee(tmp_path):
         store.put_sweep(asdict(_point(rate, ok, 0.2)), 0)
     result = sweeps(store)["t|0"]
     assert result["knee_rps"] == 2.0 and [p["offered_rps"] for p in result["points"]] == [1.0, 2.0, 3.0]
-
-
-# -- what the client processes send ------------------------------------------------------------------------------------
-
-
-def test_build_request_has_the_batch_dimension():
-    from tritonclient.grpc import service_pb2 as pb
-
-    spec = SendSpec(slot=3, offset_s=0.5, prompt_ids=(5, 6, 7), output_len=9, adapter="lora-0002")
-    request = build_request(pb, "c1-3", spec, RunSpec("generator", True, True, False, [spec]))
-    shapes = {t.name: (t.datatype, list(t.shape)) for t in request.inputs}
-    assert shapes == {"input_ids": ("INT32", [1, 3]), "max_tokens": ("INT32", [1, 1]), "stream": ("BOOL", [1, 1]),
-                      "ignore_eos": ("BOOL", [1, 1]), "lora_name": ("BYTES", [1, 1])}
-    raw = dict(zip([t.name for t in request.inputs], request.raw_input_contents, strict=True))
-    assert np.frombuffer(raw["input_ids"], "<i4").tolist() == [5, 6, 7]
-    assert _text_of_bytes_tensor(raw["lora_name"]) == "lora-0002" and raw["ignore_eos"] == b"\x01"
-    assert request.parameters["triton_enable_empty_final_response"].bool_param and request.id == "c1-3"
-    base = build_request(pb, "x", SendSpec(0, 0, (5,), 2, None), RunSpec("llm", False, False, False, []))
-    assert {t.name for t in base.inputs} == {"text_input", "max_tokens", "stream"}
-
-
-def test_prompt_text_round_trips_through_the_checkpoint_tokenizer(tmp_path, rng):
-    from tokenizers import Tokenizer
-
-    from perf.engine.checkpoint import write_tokenizer
-
-    write_tokenizer(tmp_path, 512)
-    ids = tuple(int(i) for i in rng.integers(4, 512, int(rng.integers(1, 100))))
-    assert tuple(Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode(prompt_text(ids)).ids) == ids
 
 
 def test_capacity_request_is_hashable_and_frozen():

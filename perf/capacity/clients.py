@@ -22,17 +22,15 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import queue
-import struct
 import threading
 import time
 import traceback
 from dataclasses import dataclass
 
-import numpy as np
-
 from perf.capacity.metrics import UNFINISHED, ClientLoad, digest
 from perf.capacity.requests import ScheduledRequest
 from perf.capacity.runs import RunOutcome, new_record
+from perf.capacity.wire import RunSpec, SendSpec, build_request, count_response
 
 IGNORE_EOS_UNKNOWN = "unexpected inference input 'ignore_eos'"
 MAX_MESSAGE_BYTES = 2**31 - 1
@@ -63,86 +61,14 @@ class ClientConfig:
             raise ValueError("processes and streams_per_process must be > 0")
 
 
-@dataclass(frozen=True)
-class SendSpec:
-    """One send of a worker's share: what to send and when (seconds after the run's start)."""
-
-    slot: int
-    offset_s: float
-    prompt_ids: tuple[int, ...]
-    output_len: int
-    adapter: str | None
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """A worker's share of one run."""
-
-    model: str  # "generator" (token ids) or "llm" (text)
-    stream: bool
-    ignore_eos: bool
-    keep_ids: bool
-    sends: list[SendSpec]
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # worker side
-
-
-def _bytes_element(text: str) -> bytes:
-    raw = text.encode("utf-8")
-    return struct.pack("<I", len(raw)) + raw
-
-
-def _text_of_bytes_tensor(raw: bytes) -> str:
-    """The first element of a serialized BYTES tensor (4-byte little-endian length, then the bytes)."""
-    if len(raw) < 4:
-        return ""
-    (n,) = struct.unpack_from("<I", raw)
-    return raw[4 : 4 + n].decode("utf-8", "replace")
-
-
-def prompt_text(prompt_ids: tuple[int, ...]) -> str:
-    """The text that perf/engine/checkpoint.py's word-level tokenizer turns back into these ids
-    (id i is "w{i}", i >= 4)."""
-    return " ".join(f"w{t}" for t in prompt_ids)
-
-
-def build_request(pb, request_id: str, spec: SendSpec, run: RunSpec):
-    """A ModelInferRequest with the batch dimension on every input ([1, n], [1, 1])."""
-    r = pb.ModelInferRequest()
-    r.model_name = run.model
-    r.id = request_id
-
-    def add(name: str, datatype: str, shape: list[int], raw: bytes) -> None:
-        tensor = r.inputs.add()
-        tensor.name, tensor.datatype = name, datatype
-        tensor.shape.extend(shape)
-        r.raw_input_contents.append(raw)
-
-    if run.model == "generator":
-        add("input_ids", "INT32", [1, len(spec.prompt_ids)], np.asarray(spec.prompt_ids, dtype="<i4").tobytes())
-        output = "output_ids"
-    else:
-        add("text_input", "BYTES", [1, 1], _bytes_element(prompt_text(spec.prompt_ids)))
-        output = "text_output"
-    add("max_tokens", "INT32", [1, 1], np.asarray([spec.output_len], dtype="<i4").tobytes())
-    add("stream", "BOOL", [1, 1], np.asarray([run.stream], dtype=np.bool_).tobytes())
-    if run.ignore_eos and run.model == "generator":
-        add("ignore_eos", "BOOL", [1, 1], np.asarray([True], dtype=np.bool_).tobytes())
-    elif run.ignore_eos:  # the ensemble has no ignore_eos input: the vLLM backend's form of it
-        r.parameters["sampling_parameters"].string_param = '{"ignore_eos": true}'
-    if spec.adapter:
-        add("lora_name", "BYTES", [1, 1], _bytes_element(spec.adapter))
-    r.outputs.add().name = output
-    r.parameters["triton_enable_empty_final_response"].bool_param = True
-    return r
 
 
 class _Pending:
     """One request in flight: its response times and token counts (absolute monotonic seconds)."""
 
-    __slots__ = ("slot", "stream", "send", "times", "tokens", "ids", "end", "error")
+    __slots__ = ("slot", "stream", "send", "times", "tokens", "ids", "chars", "end", "error")
 
     def __init__(self, slot: int, stream: int) -> None:
         self.slot = slot
@@ -151,6 +77,7 @@ class _Pending:
         self.times: list[float] = []
         self.tokens: list[int] = []
         self.ids: list[int] = []
+        self.chars = 0
         self.end: float | None = None
         self.error: str | None = None
 
@@ -225,16 +152,12 @@ class _Stream:
                 if message.error_message:
                     run.finish(p, t, message.error_message)
                     continue
-                if response.raw_output_contents:
-                    raw = response.raw_output_contents[0]
-                    if run.text:
-                        count = len(_text_of_bytes_tensor(raw).split())
-                    else:
-                        count = len(raw) // 4
-                        p.ids.extend(np.frombuffer(raw, dtype="<i4").tolist())
-                    if count:
-                        p.times.append(t)
-                        p.tokens.append(count)
+                count = count_response(response, run.text)
+                if count.tokens:
+                    p.times.append(t)
+                    p.tokens.append(count.tokens)
+                p.ids.extend(count.ids)
+                p.chars += count.chars
                 params = response.parameters
                 if "triton_final_response" in params and params["triton_final_response"].bool_param:
                     run.finish(p, t, None)
@@ -268,7 +191,7 @@ class _Stream:
 
 def _execute(streams: list[_Stream], spec: RunSpec, built: list, t0: float, deadline: float, tag: str) -> tuple:
     """Send the share at its times, wait for its end or the deadline; (rows, cpu_s, wall_s, responses)."""
-    run = _Run(text=spec.model != "generator")
+    run = _Run(text=spec.text)
     pendings = [_Pending(s.slot, k % len(streams)) for k, s in enumerate(spec.sends)]
     run.pending = {f"{tag}-{s.slot}": p for s, p in zip(spec.sends, pendings, strict=True)}
     run.open = len(pendings)
@@ -302,7 +225,7 @@ def _execute(streams: list[_Stream], spec: RunSpec, built: list, t0: float, dead
     for p in pendings:
         error = p.error if p.end is not None else (UNFINISHED if p.send is not None else None)
         ids = p.ids if not run.text else None
-        rows.append((p.slot, p.send, p.times, p.tokens, p.end, error,
+        rows.append((p.slot, p.send, p.times, p.tokens, p.chars, p.end, error,
                      digest(ids) if ids is not None else None, ids if spec.keep_ids else None))
     return rows, cpu, wall, run.responses
 
@@ -402,11 +325,12 @@ class ClientPool:
         clients = []
         for k, (_, rows, cpu, wall, responses) in enumerate(replies):
             clients.append(ClientLoad(process=k, cpu_s=cpu, wall_s=wall, requests=len(rows), responses=responses))
-            for slot, send, times, tokens, end, error, out_digest, ids in rows:
+            for slot, send, times, tokens, chars, end, error, out_digest, ids in rows:
                 rec = records[slot]
                 rec.send_s = None if send is None else send - t0
                 for t, count in zip(times, tokens, strict=True):
                     rec.add_chunk(t - t0, count)
+                rec.output_chars = chars
                 rec.end_s = None if end is None else end - t0
                 rec.error, rec.output_digest, rec.output_ids = error, out_digest, ids
         refused = next((r.error for r in records if r.error and IGNORE_EOS_UNKNOWN in r.error), None)

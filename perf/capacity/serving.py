@@ -147,8 +147,8 @@ class ServerPart:
         if before and after:
             result.meta["engine_counters"] = run_counters(before, after)
         if target == "llm":
-            result.notes.append("tokens counted as the words of the streamed text (perf/engine/checkpoint.py's "
-                                "word-level tokenizer); special tokens decode to nothing, so a few requests look short")
+            result.notes.append("each response asked for every output of the ensemble, as the OpenAI front does; "
+                                "its tokens are its num_output_tokens")
         call.warn_clients(f"{target} n={n} offline", [ClientLoad(**c) for c in result.meta["clients"]])
         digests = None
         if target != "llm":  # token identity with the engine (text has no token ids)

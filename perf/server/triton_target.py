@@ -2,8 +2,9 @@
 
 tritonclient allows one active stream per client object, so requests borrow a client
 (with its stream already open) from a pool that grows to the peak number in flight.
-``generator`` is driven with token ids (exact token counts per chunk); ``llm`` with text
-(S-LoRA's "Hello " * n prompt; a chunk counts as one token, its characters are kept).
+``generator`` is driven with token ids (a chunk's tokens are its ids); ``llm`` with text (S-LoRA's
+"Hello " * n prompt), asking for what the OpenAI front asks for: a chunk's tokens are the
+``num_output_tokens`` it accounts for (a chunk holds the tokens of a stream interval), its characters are kept.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import threading
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+from perf.capacity.wire import LLM_OUTPUTS
 from perf.workload.records import RequestRecord
 from perf.workload.replay import Clock, Tracker
 from perf.workload.trace import TraceRequest
@@ -26,22 +28,23 @@ def _input(name: str, array: np.ndarray, dtype: str) -> grpcclient.InferInput:
 
 
 def build_inputs(request: TraceRequest, model: str) -> tuple[list[grpcclient.InferInput], list[str]]:
-    """Inputs with the batch dimension ([1, n], [1, 1]) and the output to ask for."""
+    """Inputs with the batch dimension ([1, n], [1, 1]) and the outputs to ask for (the first holds the tokens or
+    the text)."""
     if model == "generator":
         if request.prompt_ids is None:
             raise ValueError("the generator model needs token ids (workload vocab_range or with_token_ids)")
         inputs = [_input("input_ids", np.array([request.prompt_ids], dtype=np.int32), "INT32")]
-        wanted = "output_ids"
+        wanted = ["output_ids"]
     else:
         inputs = [_input("text_input", np.array([[request.prompt_text().encode()]], dtype=np.object_), "BYTES")]
-        wanted = "text_output"
+        wanted = list(LLM_OUTPUTS)
     inputs += [
         _input("max_tokens", np.array([[request.output_len]], dtype=np.int32), "INT32"),
         _input("stream", np.array([[True]], dtype=np.bool_), "BOOL"),
     ]
     if request.adapter:
         inputs.append(_input("lora_name", np.array([[request.adapter.encode()]], dtype=np.object_), "BYTES"))
-    return inputs, [wanted]
+    return inputs, wanted
 
 
 class _StreamSlot:
@@ -70,9 +73,9 @@ class _StreamSlot:
             if self.output == "output_ids":
                 rec.add_chunk(t, int(out.size))
             else:
+                tokens = result.as_numpy("num_output_tokens")
                 text = out.reshape(-1)[0].decode("utf-8", "replace")
-                if text:
-                    rec.add_chunk(t, 1, len(text))
+                rec.add_chunk(t, 0 if tokens is None else int(tokens.reshape(-1)[0]), len(text))
         params = result.get_response().parameters
         if "triton_final_response" in params and params["triton_final_response"].bool_param:
             self._release()

@@ -11,8 +11,8 @@ from pathlib import Path
 class RequestRecord:
     """Timings of one request, in seconds from the start of the replay.
 
-    chunk_times[i] is when chunk i (with chunk_tokens[i] tokens) arrived; with text
-    streaming (the llm ensemble) a chunk counts as one token and output_chars is kept.
+    chunk_times[i] is when chunk i (with chunk_tokens[i] tokens) arrived; with text streaming
+    (the llm ensemble) output_chars counts the text's characters too.
     """
 
     index: int
@@ -29,13 +29,15 @@ class RequestRecord:
     error: str | None = None
 
     def add_chunk(self, t: float, tokens: int, chars: int = 0) -> None:
+        """A response with ``tokens`` tokens and ``chars`` characters of text arrived at ``t``; one without
+        tokens is no chunk (no token time), its characters still count."""
+        self.output_chars += chars
         if tokens <= 0:
             return
         if self.first_token_s is None:
             self.first_token_s = t
         self.chunk_times.append(t)
         self.chunk_tokens.append(tokens)
-        self.output_chars += chars
 
     @property
     def output_tokens(self) -> int:

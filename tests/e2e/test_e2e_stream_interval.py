@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import queue
+import random
 
 import numpy as np
 import pytest
@@ -97,3 +98,31 @@ def test_mixed_adapters_stay_peft_exact(coalescing_server, tokenizer):
     reference = peft_reference(coalescing_server, tokenizer)
     check_mixed_batches(coalescing_server.client(), tokenizer, reference, coalescing_server.catalogue)
     assert MAX_NEW_TOKENS > 1
+
+
+def test_the_replay_target_counts_every_token_of_coalesced_llm_chunks(coalescing_server, tokenizer):
+    """perf's replay target on the `llm` ensemble: a chunk holds several tokens, and each record's tokens are the
+    ones the generator makes for the same prompt ids (the text alone could not tell: a chunk is no word)."""
+    from perf.server.triton_target import TritonTarget
+    from perf.workload.replay import replay
+    from perf.workload.trace import TraceRequest
+
+    rng = random.Random()
+    trace = [TraceRequest(i, 0.05 * i, rng.choice([None, "pirate"]), rng.randrange(1, 9), rng.randrange(20, 41))
+             for i in range(6)]
+    target = TritonTarget(coalescing_server.grpc_url, "llm")
+    try:
+        result = replay(trace, target, max_duration_s=120, progress=False)
+    finally:
+        target.close()
+    client = coalescing_server.client()
+    several = 0
+    for request, record in zip(trace, result.records, strict=True):
+        assert record.error is None and record.end_s is not None, record
+        ids = tokenizer.encode(request.prompt_text(), add_special_tokens=True).ids
+        made = client.generate_ids(ids, adapter=request.adapter, max_tokens=request.output_len, stream=False)
+        assert record.output_tokens == len(made) > 0, (request, record.chunk_tokens, len(made))
+        text = client.generate(request.prompt_text(), adapter=request.adapter, max_tokens=request.output_len)
+        assert record.output_chars == len(text)
+        several += max(record.chunk_tokens) > 1
+    assert several, "no chunk carried more than one token: not coalesced"
