@@ -1,5 +1,6 @@
 """perf/capacity/ end to end on the tiny shape: the in-process engine and the real tritonserver (streaming and
-non-streaming) on the same requests, offline and in a short open-loop sweep, then a short soak.
+non-streaming, and the text ensemble) on the same requests, offline and in a short open-loop sweep, then a short soak
+through the text ensemble.
 
 One run of the command (about a minute on two CPU cores) feeds every test here; they read what it wrote.
 """
@@ -36,7 +37,7 @@ def run(tmp_path_factory) -> dict:
         "--requests", str(REQUESTS), "--adapters", ",".join(map(str, ADAPTERS)),
         "--targets", ",".join(OFFLINE_TARGETS), "--llm", "--parts", "offline,sweep",
         "--sweep-fractions", ",".join(map(str, FRACTIONS)), "--sweep-duration", "3", "--sweep-warmup", "1",
-        "--sweep-drain", "5", "--soak", "4", "--soak-interval", "1",
+        "--sweep-drain", "5", "--soak", "4", "--soak-target", "llm", "--soak-interval", "1",
         "--keep-output-ids", "--fresh", "--workdir", str(root / "work"), "--out", str(out),
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -137,7 +138,9 @@ def test_soak_sampled_the_server_and_its_stubs(run):
     memory = soak["memory"]
     assert memory["samples"] >= 3
     names = list(memory["host_rss"])
-    assert any(n.startswith("tritonserver") for n in names) and any(n.startswith("stub:generator") for n in names)
+    assert soak["target"] == "llm"  # through the text ensemble: its pre- and postprocessing stubs are sampled too
+    for process in ("tritonserver", "stub:generator", "stub:preprocessing", "stub:postprocessing"):
+        assert any(n.startswith(process) for n in names), (process, names)
     total = memory["host_rss"]["total"]
     assert 0 < total["start_mb"] <= total["max_mb"] and total["slope_mb_per_min"] is not None
 

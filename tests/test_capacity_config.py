@@ -25,6 +25,25 @@ def test_vllm_adapters_outside_the_calls_counts_are_refused():
         parse_args(["--shape", "tiny", "--adapters", "0,100", "--vllm-adapters", "5"])
 
 
+def test_the_sweep_and_the_soak_drive_server_stream_unless_told_llm():
+    cfg, _ = parse_args(["--shape", "tiny", "--soak", "60"])
+    assert (cfg.sweep_target, cfg.soak_target) == ("server_stream", "server_stream") and "soak" in cfg.parts
+    cfg, _ = parse_args(["--shape", "tiny", "--llm", "--sweep-target", "llm", "--soak-target", "llm", "--soak", "60"])
+    assert (cfg.sweep_target, cfg.soak_target) == ("llm", "llm") and "llm" in cfg.targets
+
+
+@pytest.mark.parametrize("option", ["--sweep-target", "--soak-target"])
+def test_a_sweep_or_soak_of_a_target_that_takes_no_open_loop_load_is_refused(option, capsys):
+    for target in ("engine", "server_nostream", "vllm"):
+        with pytest.raises(SystemExit):
+            parse_args(["--shape", "tiny", option, target])
+        assert f"argument {option}: invalid choice: '{target}'" in capsys.readouterr().err
+    from perf.capacity.config import CapacityConfig
+
+    with pytest.raises(ValueError, match="--soak-target must be one of server_stream, llm, got 'vllm'"):
+        CapacityConfig(soak_target="vllm")
+
+
 def test_results_record_the_output_folder_as_out_and_repository_paths_relative(tmp_path, monkeypatch):
     from perf.capacity.command import REPO, display_path
 

@@ -17,9 +17,10 @@ gets exactly its output length). Targets:
 - ``vllm``: vLLM offline, one child process per max_loras (perf/peers/vllm_offline.py), where ``import vllm`` works.
 
 Parts: ``offline`` (every request at once, each adapter count), ``sweep`` (Poisson arrivals at
-fractions of the target's offline req/s, engine and server_stream, at --sweep-adapters; the knee),
-``soak`` (``--soak SECONDS``: server_stream at --soak-fraction of its offline req/s, memory sampled;
-perf/capacity/soak.py). A sweep or soak without an offline capacity for it measures that first.
+fractions of the target's offline req/s, the engine and --sweep-target (server_stream, or llm), at
+--sweep-adapters; the knee), ``soak`` (``--soak SECONDS``: --soak-target, server_stream or llm, at
+--soak-fraction of its offline req/s, memory sampled; perf/capacity/soak.py). A sweep or soak without an
+offline capacity for it measures that first.
 
 Options and per-shape defaults: perf/capacity/config.py. Results merge across calls in a store in
 --workdir (kept while the machine is), so a long run splits into calls of under 10 minutes; --budget

@@ -15,7 +15,7 @@ from perf.engine.checkpoint import SHAPES
 TARGETS = ("engine", "server_stream", "server_nostream", "llm", "vllm")
 SERVER_TARGETS = ("server_stream", "server_nostream", "llm")
 PARTS = ("offline", "sweep", "soak")
-SWEEP_TARGETS = ("engine", "server_stream")
+LOAD_TARGETS = ("server_stream", "llm")  # the server targets an open-loop sweep or a soak can drive
 
 
 @dataclass
@@ -47,7 +47,9 @@ class CapacityConfig:
     sweep_duration_s: float = 4.0
     sweep_warmup_s: float = 1.0
     sweep_drain_s: float = 6.0
+    sweep_target: str = "server_stream"  # the server target the sweep drives (the engine's sweep runs beside it)
     soak_s: float | None = None
+    soak_target: str = "server_stream"
     soak_fraction: float = 0.9
     soak_interval_s: float = 2.0
     client_processes: int = 2
@@ -70,6 +72,9 @@ class CapacityConfig:
         unknown = sorted(set(self.targets) - set(TARGETS)) + sorted(set(self.parts) - set(PARTS))
         if unknown:
             raise ValueError(f"unknown targets/parts {unknown}; targets: {TARGETS}, parts: {PARTS}")
+        for option, target in (("--sweep-target", self.sweep_target), ("--soak-target", self.soak_target)):
+            if target not in LOAD_TARGETS:
+                raise ValueError(f"{option} must be one of {', '.join(LOAD_TARGETS)}, got {target!r}")
         if "soak" in self.parts and not self.soak_s:
             raise ValueError("the soak part needs --soak SECONDS")
         if self.soak_s and "soak" not in self.parts:
@@ -156,7 +161,11 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     p.add_argument("--sweep-duration", type=float, dest="sweep_duration_s", help="seconds of arrivals per point")
     p.add_argument("--sweep-warmup", type=float, dest="sweep_warmup_s", help="seconds left out of each point's window")
     p.add_argument("--sweep-drain", type=float, dest="sweep_drain_s", help="seconds a point may run after its arrivals")
+    p.add_argument("--sweep-target", choices=LOAD_TARGETS,
+                   help="the server target swept (default server_stream; llm: the text ensemble, listed in --targets)")
     p.add_argument("--soak", type=float, dest="soak_s", metavar="SECONDS", help="soak the server this long")
+    p.add_argument("--soak-target", choices=LOAD_TARGETS,
+                   help="the server target soaked (default server_stream; llm: the text ensemble and its stubs)")
     p.add_argument("--soak-fraction", type=float)
     p.add_argument("--soak-interval", type=float, dest="soak_interval_s")
     p.add_argument("--client-processes", type=int)

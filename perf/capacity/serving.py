@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from manylora.client.api import ManyLoraClient
 from perf.capacity.clients import ClientPool, ServerDriver, ServerLacksIgnoreEos
-from perf.capacity.config import SERVER_TARGETS, SWEEP_TARGETS
+from perf.capacity.config import SERVER_TARGETS
 from perf.capacity.engine_counters import run_counters
 from perf.capacity.graph_check import graph_warnings
 from perf.capacity.metrics import ClientLoad, OfflineResult
@@ -45,10 +45,11 @@ class ServerPart:
     def run(self) -> None:
         call, cfg = self.call, self.cfg
         offline = [t for t in SERVER_TARGETS if t in cfg.targets] if "offline" in cfg.parts else []
-        sweep = "sweep" in cfg.parts and "server_stream" in cfg.targets
-        unswept = [t for t in cfg.targets if t not in SWEEP_TARGETS] if "sweep" in cfg.parts else []
+        sweep = "sweep" in cfg.parts and cfg.sweep_target in cfg.targets
+        swept = ("engine", cfg.sweep_target)
+        unswept = [t for t in cfg.targets if t not in swept] if "sweep" in cfg.parts else []
         if unswept:
-            call.store.add("notes", f"the sweep covers {', '.join(SWEEP_TARGETS)} only, not {', '.join(unswept)}")
+            call.store.add("notes", f"the sweep covers {', '.join(swept)} only, not {', '.join(unswept)}")
         soak = "soak" in cfg.parts
         if not (offline or sweep or soak):
             return
@@ -179,25 +180,26 @@ class ServerPart:
             for n in self.cfg.adapters:
                 self._measure_offline(driver, target, n)
 
-    def _capacity(self, pool: ClientPool, target: str) -> float | None:
+    def _capacity(self, driver: ServerDriver, target: str, part: str) -> float | None:
         """The target's offline req/s at the sweep's adapter count: from the store, or measured now."""
         n = self.cfg.sweep_adapters
         capacity = self.call.store.capacity(target, n)
         if capacity is None:
             self.call.store.add("notes", f"{target} offline n={n} measured in call {self.call.index} for the "
-                                         f"sweep's capacity")
-            result = self._measure_offline(ServerDriver(pool, stream=target == "server_stream"), target, n)
+                                         f"{part}'s capacity")
+            result = self._measure_offline(driver, target, n)
             capacity = result.req_per_s if result and result.completed else None
         return capacity
 
     def _sweep(self, pool: ClientPool) -> None:
         call = self.call
-        target, n, sweep = "server_stream", self.cfg.sweep_adapters, call.sweep_config
-        capacity = self._capacity(pool, target)
+        target, n, sweep = self.cfg.sweep_target, self.cfg.sweep_adapters, call.sweep_config
+        driver = self._driver(pool, target)
+        capacity = None if driver is None else self._capacity(driver, target, "sweep")
         if capacity is None:
             call.skip(f"{target} sweep: no capacity")
             return
-        driver, requests = ServerDriver(pool, stream=True), call.requests(n)
+        requests = call.requests(n)
         for fraction in sweep.fractions:
             if not call.budget.allows(sweep.duration_s + sweep.drain_s):
                 call.skip(f"{target} sweep x{fraction:g}: the time budget was spent")
@@ -216,15 +218,15 @@ class ServerPart:
 
     def _soak(self, server: TritonServer, pool: ClientPool) -> None:
         call, cfg = self.call, self.cfg
-        target, n = "server_stream", cfg.sweep_adapters
-        capacity = self._capacity(pool, target)
+        target, n = cfg.soak_target, cfg.sweep_adapters
+        driver = self._driver(pool, target)
+        capacity = None if driver is None else self._capacity(driver, target, "soak")
         soak = SoakConfig(cfg.soak_s, cfg.soak_fraction, cfg.soak_interval_s)
         if capacity is None or not call.budget.allows(soak.duration_s + soak.drain_s):
             call.skip(f"soak: {'no capacity' if capacity is None else 'the time budget was spent'}")
             return
         log(f"soak: {soak.duration_s:g} s at {soak.fraction:g} x {capacity:.2f} req/s")
-        result = run_soak(ServerDriver(pool, stream=True), target, n, call.requests(n), capacity, soak, server.pid,
-                          call.runs)
+        result = run_soak(driver, target, n, call.requests(n), capacity, soak, server.pid, call.runs)
         call.store.put_soak(result, call.index)
         total = result["memory"].get("host_rss", {}).get("total", {})
         log(f"soak: host RSS {total.get('start_mb')} -> {total.get('end_mb')} MB, max {total.get('max_mb')}, "
