@@ -8,6 +8,7 @@ tests/e2e/test_e2e_attacks.py sends the same requests to the real one)."""
 from __future__ import annotations
 
 import importlib.util
+import queue
 import sys
 import threading
 import types
@@ -84,6 +85,7 @@ def postprocessing(monkeypatch):
     module = _load("postprocessing", monkeypatch)
     model = module.TritonPythonModel.__new__(module.TritonPythonModel)
     model.tokenizer = train_tokenizer()
+    model.sends = [queue.SimpleQueue() for _ in range(module.SENDER_THREADS)]  # drained by the test, no threads
     return model
 
 
@@ -131,3 +133,49 @@ def test_the_cancel_is_answered_with_the_final_flag_alone(generator):
         model._control({"op": "cancel", "key": "k1"}, sender, requested)
         assert sender.sent == [(None, FINAL)]
     assert cancelled == ["req#1", "req#1"]
+
+
+class _StepRequest(_Request):
+    """A postprocessing step request that counts how often it is asked whether its stream was cancelled."""
+
+    def __init__(self, inputs: dict[str, np.ndarray], cancelled: bool = False) -> None:
+        super().__init__(inputs, ["text_output"])
+        self.cancelled, self.asked, self.sender = cancelled, 0, _Sender()
+
+    def get_response_sender(self) -> _Sender:
+        return self.sender
+
+    def is_cancelled(self) -> bool:
+        self.asked += 1
+        return self.cancelled
+
+
+def test_postprocessing_asks_about_cancellation_sparingly_and_never_on_a_last_chunk(postprocessing):
+    """Asking costs a round trip to the server: a stream is asked on its first chunk and on heartbeats, not again
+    within CANCEL_CHECK_S, and not on its last chunk (a finish reason: the generator is done with it), after which
+    it is forgotten. A cancelled stream's chunk makes no response (the final flag alone) and cancels its key."""
+    tokenizer = postprocessing.tokenizer
+    cancels: list[bytes] = []
+    postprocessing._cancel = cancels.append
+
+    def step(key: bytes, reason: bytes | None = None, heartbeat: bool = False, cancelled: bool = False):
+        inputs = {"request_key": np.array([[key]], np.object_)} if heartbeat else {
+            **_step(tokenizer), "request_key": np.array([[key]], np.object_)}
+        if reason is not None:
+            inputs["finish_reason"] = np.array([[reason]], np.object_)
+        return _StepRequest(inputs, cancelled)
+
+    first, second, last = step(b"a", b""), step(b"a", b""), step(b"a", b"length")
+    again = step(b"a", b"")  # the same key after its last chunk: asked afresh
+    beat, gone = step(b"b", heartbeat=True), step(b"c", b"", cancelled=True)
+    late_last = step(b"c", b"stop", cancelled=True)  # a cancelled stream's last chunk still goes out
+    requests = [first, second, last, again, beat, gone, late_last]
+    postprocessing.execute(requests)
+    for q in postprocessing.sends:
+        q.put(None)
+        postprocessing._send_loop(q)
+    assert [r.asked for r in requests] == [1, 0, 0, 1, 1, 1, 0]
+    assert cancels == [b"c"]
+    assert gone.sender.sent == [(None, FINAL)] and beat.sender.sent == [(None, FINAL)]
+    for r in (first, second, last, again, late_last):
+        assert r.sender.sent == [(["text_output"], FINAL)]
