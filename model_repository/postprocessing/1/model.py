@@ -70,16 +70,16 @@ class TritonPythonModel:
     def execute(self, requests: list) -> None:
         for request in requests:
             sender = request.get_response_sender()
-            key, last = b"", False
+            key, final_chunk = b"", False
             try:
                 key = _array(request, "request_key").reshape(-1)[0]
                 reason = _array(request, "finish_reason")
-                last = reason is not None and bool(reason.reshape(-1)[0])
+                final_chunk = reason is not None and bool(reason.reshape(-1)[0])
                 response = self._one(request)
             except Exception as e:  # noqa: BLE001 - one bad request must not fail the batch
                 pb_utils.Logger.log_error(f"postprocessing: {e!r}")
                 response = pb_utils.InferenceResponse(error=pb_utils.TritonError(f"postprocessing failed: {e}"))
-            self.sends[zlib.crc32(key) % SENDER_THREADS].put((request, sender, response, key, last))
+            self.sends[zlib.crc32(key) % SENDER_THREADS].put((request, sender, response, key, final_chunk))
         return None
 
     def finalize(self) -> None:
@@ -91,9 +91,9 @@ class TritonPythonModel:
     def _send_loop(self, sends: queue.SimpleQueue) -> None:
         checked: dict[bytes, float] = {}  # this thread's streams: when each was last asked whether it is cancelled
         while (item := sends.get()) is not None:
-            request, sender, response, key, last = item
+            request, sender, response, key, final_chunk = item
             try:
-                if self._cancelled(request, response, key, last, checked):
+                if self._cancelled(request, response, key, final_chunk, checked):
                     self._cancel(key)
                     sender.send(flags=FINAL)
                 elif response is None:
@@ -104,12 +104,12 @@ class TritonPythonModel:
                 pb_utils.Logger.log_error(f"postprocessing: could not send: {e!r}")
 
     @staticmethod
-    def _cancelled(request, response, key: bytes, last: bool, checked: dict[bytes, float]) -> bool:
+    def _cancelled(request, response, key: bytes, final_chunk: bool, checked: dict[bytes, float]) -> bool:
         """Whether the stream of this step request was cancelled. Asking costs a round trip to the server, so a
         stream is asked on a heartbeat (response None: that is what it is for) and otherwise at most every
         CANCEL_CHECK_S; its last chunk (one with a finish reason) is not asked, since the generator is done with
         it, and the stream is forgotten."""
-        if last:
+        if final_chunk:
             checked.pop(key, None)
             return False
         now = time.monotonic()
